@@ -1,0 +1,64 @@
+"""The fairq HTTP API. `create_app` is this package's only public name."""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Flask
+
+from api import database, errors
+from api.settings import ApiSettings
+
+__all__ = ["create_app"]
+
+
+def create_app(settings: ApiSettings | None = None) -> Flask:
+    """Build the WSGI app from `settings` (default: `ApiSettings.from_env()`).
+
+    Raises `worker.settings.SettingsError` naming the variable when the environment is invalid.
+    """
+    from api.companies.routes import blp as companies_blp  # noqa: PLC0415
+    from api.system.routes import blp as system_blp  # noqa: PLC0415
+    from api.tasks.routes import blp as tasks_blp  # noqa: PLC0415
+
+    settings = settings or ApiSettings.from_env()
+    app = Flask("fairq")
+    app.config.update(
+        FAIRQ_SETTINGS=settings,
+        MAX_CONTENT_LENGTH=settings.max_body_bytes,
+        API_TITLE="fairq",
+        API_VERSION="1.0",
+        OPENAPI_VERSION="3.0.3",
+        OPENAPI_URL_PREFIX="/",
+        OPENAPI_JSON_PATH="openapi.json",
+        OPENAPI_SWAGGER_UI_PATH="/docs",
+        OPENAPI_SWAGGER_UI_URL="/docs/assets/",
+        API_SPEC_OPTIONS={
+            "info": {"description": "Multi-tenant task queue with fair, lock-safe claiming."},
+            "components": {
+                "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}
+            },
+            "security": [{"bearer": []}],
+        },
+    )
+    logging.getLogger("fairq").setLevel(logging.INFO)
+    database.init_app(app, settings.database_url)
+    api = errors.FairqApi(app)
+    errors.register(app)
+    for blp in (system_blp, companies_blp, tasks_blp):
+        api.register_blueprint(blp)
+    _serve_swagger_assets(app)
+    return app
+
+
+def _serve_swagger_assets(app: Flask) -> None:
+    # Swagger UI from a wheel that ships it: /docs renders with no internet access.
+    import swagger_ui_bundle  # noqa: PLC0415
+
+    from flask import send_from_directory  # noqa: PLC0415
+
+    assets = swagger_ui_bundle.swagger_ui_path
+
+    @app.get("/docs/assets/<path:filename>")
+    def swagger_assets(filename: str):  # type: ignore[no-untyped-def]
+        return send_from_directory(assets, filename, max_age=86400)

@@ -1,0 +1,53 @@
+"""/companies: create a tenant (admin) and read it (the tenant or the admin)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from flask.views import MethodView
+
+from api import auth, database
+from api.companies.schemas import CompanyCreatedSchema, CompanyCreateSchema, CompanySchema
+from api.parser import Blueprint
+from db import companies
+
+blp = Blueprint("companies", __name__, url_prefix="/companies", description="Tenants.")
+
+
+@blp.route("")
+class Companies(MethodView):
+    """The collection of companies."""
+
+    @auth.admin_required
+    @blp.arguments(CompanyCreateSchema)
+    @blp.response(201, CompanyCreatedSchema)
+    @blp.alt_response(401, description="Missing or invalid admin token.")
+    @blp.alt_response(503, description="ADMIN_TOKEN is not configured.")
+    def post(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Create a company and return its API key (admin only)."""
+        key = auth.new_api_key()
+        session = database.session()
+        company = companies.create_company(
+            session, name=body["name"], api_key_hash=auth.hash_api_key(key)
+        )
+        session.commit()
+        return {
+            "id": company.id,
+            "name": company.name,
+            "created_at": company.created_at,
+            "api_key": key,
+        }
+
+
+@blp.route("/<uuid:company_id>")
+class CompanyById(MethodView):
+    """One company."""
+
+    @auth.company_required(allow_admin=True)
+    @blp.response(200, CompanySchema)
+    @blp.alt_response(401, description="Missing or invalid token.")
+    @blp.alt_response(404, description="No such company, or not yours.")
+    def get(self, company_id: uuid.UUID) -> Any:
+        """Read a company (its own key, or the admin token)."""
+        return companies.get_company(database.session(), company_id)

@@ -1,0 +1,75 @@
+"""The one translation point from domain and driver errors to flask-smorest's error body.
+
+Every error response has the shape `{"code", "status", "message", "errors"?}` (DESIGN §3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Flask
+from flask_smorest import Api
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from werkzeug.exceptions import HTTPException
+
+from db import errors as db_errors
+
+# status -> (domain error type) for the errors `db` raises on purpose.
+_DOMAIN_STATUS: tuple[tuple[type[db_errors.DomainError], int], ...] = (
+    (db_errors.NotFound, 404),
+    (db_errors.Conflict, 409),
+    (db_errors.IdempotencyKeyReused, 422),
+)
+
+
+class FairqApi(Api):  # type: ignore[misc]  (flask-smorest ships no type hints)
+    """flask-smorest's Api whose error bodies always carry a `message`."""
+
+    def handle_http_exception(self, error: HTTPException) -> tuple[dict[str, Any], int, Any]:
+        """Like flask-smorest's handler, plus a message for errors raised without one."""
+        payload, code, headers = super().handle_http_exception(error)
+        if "message" not in payload and error.description:
+            payload["message"] = error.description
+        if code == 500:
+            # Never leak internals; the traceback is in the server log.
+            payload["message"] = "internal server error"
+        return payload, code, headers
+
+
+def error_body(code: int, status: str, message: str, **extra: Any) -> dict[str, Any]:
+    """Build the error body by hand (used where no exception is raised, e.g. readiness)."""
+    return {"code": code, "status": status, "message": message, **extra}
+
+
+def _status_name(code: int) -> str:
+    from http import HTTPStatus  # noqa: PLC0415  (only needed on the error path)
+
+    return HTTPStatus(code).phrase
+
+
+def register(app: Flask) -> None:
+    """Register handlers for domain errors and for driver errors that escape a view."""
+
+    def handle_domain(error: db_errors.DomainError) -> tuple[dict[str, Any], int]:
+        for kind, code in _DOMAIN_STATUS:
+            if isinstance(error, kind):
+                return error_body(code, _status_name(code), str(error)), code
+        return error_body(500, _status_name(500), "internal server error"), 500
+
+    def handle_integrity(error: IntegrityError) -> tuple[dict[str, Any], int]:
+        # Constraints are checked by the schemas first; reaching one here means a race or a
+        # gap in validation, which is the client's conflict, not a server fault.
+        app.logger.warning("integrity error reached the API boundary: %s", error.orig)
+        return error_body(409, _status_name(409), "the request conflicts with stored data"), 409
+
+    def handle_dbapi(error: DBAPIError) -> tuple[dict[str, Any], int, dict[str, str]]:
+        app.logger.error("database error: %s", error.orig)
+        return (
+            error_body(503, _status_name(503), "the database is unavailable, try again"),
+            503,
+            {"Retry-After": "1"},
+        )
+
+    app.register_error_handler(db_errors.DomainError, handle_domain)
+    app.register_error_handler(IntegrityError, handle_integrity)
+    app.register_error_handler(DBAPIError, handle_dbapi)

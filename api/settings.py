@@ -1,0 +1,43 @@
+"""API settings: the only place the API process reads the environment (DESIGN §8)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from worker.settings import SettingsError, env_float, env_str, env_url
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    """Settings of one API process, validated at start.
+
+    `admin_token`: bearer token for admin endpoints, or None (they then answer 503);
+    `notify_channel`: PostgreSQL channel woken on task creation (shared with the worker);
+    `ready_timeout_ms`: statement timeout of the readiness probe and the queue collector.
+    """
+
+    database_url: str
+    admin_token: str | None = None
+    notify_channel: str = "fairq_tasks"
+    ready_timeout_ms: int = 1000
+    max_body_bytes: int = 1024 * 1024
+    stale_after_seconds: float = 300.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ApiSettings:
+        """Read settings from `environ` (default `os.environ`).
+
+        Raises `SettingsError` naming the variable when a value is missing or invalid.
+        """
+        env = os.environ if environ is None else environ
+        token = env.get("ADMIN_TOKEN") or None
+        if token is not None and len(token) < 16:
+            raise SettingsError("ADMIN_TOKEN must be at least 16 characters long")
+        return cls(
+            database_url=env_url(env),
+            admin_token=token,
+            notify_channel=env_str(env, "NOTIFY_CHANNEL", "fairq_tasks"),
+            stale_after_seconds=env_float(env, "STALE_AFTER_SECONDS", 300.0, minimum=1.0),
+        )

@@ -1,0 +1,140 @@
+"""/companies/{companyId}/tasks: create, read, list, cancel and retry a company's tasks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from typing import Any
+
+from flask import current_app, request, url_for
+from flask.views import MethodView
+
+from api import auth, database
+from api.parser import Blueprint
+from api.tasks.schemas import (
+    IdempotencyHeaderSchema,
+    TaskCreateSchema,
+    TaskListQuerySchema,
+    TaskPageSchema,
+    TaskSchema,
+)
+from db import queue
+
+blp = Blueprint(
+    "tasks",
+    __name__,
+    url_prefix="/companies/<uuid:company_id>/tasks",
+    description="A company's background tasks.",
+)
+
+
+def request_hash() -> str:
+    """SHA-256 of the canonical JSON request body (sorted keys, compact, UTF-8).
+
+    Detects reuse of an Idempotency-Key with a different body: key order and whitespace do
+    not count as a difference (IETF Idempotency-Key draft, section 2.2 "fingerprint").
+    """
+    body = json.loads(request.get_data(cache=True) or b"{}")
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@blp.route("")
+class Tasks(MethodView):
+    """A company's task collection."""
+
+    @auth.company_required()
+    @blp.arguments(IdempotencyHeaderSchema, location="headers")
+    @blp.arguments(TaskCreateSchema)
+    @blp.response(201, TaskSchema, headers={"Location": {"schema": {"type": "string"}}})
+    @blp.alt_response(200, schema=TaskSchema, description="Replay of an earlier create with the same Idempotency-Key and body (header Idempotent-Replayed: true).")
+    @blp.alt_response(400, description="Malformed JSON.")
+    @blp.alt_response(401, description="Missing or invalid token.")
+    @blp.alt_response(404, description="No such company, or not yours.")
+    @blp.alt_response(413, description="Body larger than 1 MiB.")
+    @blp.alt_response(415, description="Body is not JSON.")
+    def post(
+        self, headers: dict[str, Any], body: dict[str, Any], company_id: uuid.UUID
+    ) -> Any:
+        """Create a task (optionally idempotent with an Idempotency-Key header)."""
+        key = headers.get("idempotency_key")
+        session = database.session()
+        task, created = queue.create_task(
+            session,
+            company_id=company_id,
+            type=body["type"],
+            payload=body["payload"],
+            run_at=body.get("run_at"),
+            max_attempts=body["max_attempts"],
+            idempotency_key=key,
+            request_hash=request_hash() if key is not None else None,
+            notify_channel=current_app.config["FAIRQ_SETTINGS"].notify_channel,
+        )
+        session.commit()
+        location = url_for("tasks.TaskById", company_id=company_id, task_id=task.id)
+        if created:
+            return task, 201, {"Location": location}
+        return task, 200, {"Location": location, "Idempotent-Replayed": "true"}
+
+    @auth.company_required()
+    @blp.arguments(TaskListQuerySchema, location="query")
+    @blp.response(200, TaskPageSchema)
+    @blp.alt_response(401, description="Missing or invalid token.")
+    @blp.alt_response(404, description="No such company, or not yours.")
+    def get(self, query: dict[str, Any], company_id: uuid.UUID) -> dict[str, Any]:
+        """List the company's tasks, newest first, with optional status and type filters."""
+        items, has_more = queue.list_tasks(database.session(), company_id, **query)
+        return {
+            "items": items,
+            "limit": query["limit"],
+            "offset": query["offset"],
+            "has_more": has_more,
+        }
+
+
+@blp.route("/<uuid:task_id>")
+class TaskById(MethodView):
+    """One task."""
+
+    @auth.company_required()
+    @blp.response(200, TaskSchema)
+    @blp.alt_response(401, description="Missing or invalid token.")
+    @blp.alt_response(404, description="No such task, or not yours.")
+    def get(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Any:
+        """Read one task."""
+        return queue.get_task(database.session(), company_id, task_id)
+
+
+@blp.route("/<uuid:task_id>/cancel")
+class TaskCancel(MethodView):
+    """Cancel a pending task."""
+
+    @auth.company_required()
+    @blp.response(200, TaskSchema)
+    @blp.alt_response(401, description="Missing or invalid token.")
+    @blp.alt_response(404, description="No such task, or not yours.")
+    @blp.alt_response(409, description="The task is not pending.")
+    def post(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Any:
+        """Cancel a pending task."""
+        session = database.session()
+        task = queue.cancel_task(session, company_id, task_id)
+        session.commit()
+        return task
+
+
+@blp.route("/<uuid:task_id>/retry")
+class TaskRetry(MethodView):
+    """Run a failed or cancelled task again."""
+
+    @auth.company_required()
+    @blp.response(200, TaskSchema)
+    @blp.alt_response(401, description="Missing or invalid token.")
+    @blp.alt_response(404, description="No such task, or not yours.")
+    @blp.alt_response(409, description="The task is not failed or cancelled.")
+    def post(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Any:
+        """Retry a failed or cancelled task now, with its attempts reset."""
+        session = database.session()
+        task = queue.retry_task(session, company_id, task_id)
+        session.commit()
+        return task

@@ -1,0 +1,163 @@
+"""Tables of fairq (DESIGN §2), mirrored from the Alembic migrations.
+
+`alembic check` proves these models and the migrations agree, except for partial-index
+predicates, which `tests/test_migrations.py` compares against `pg_indexes` itself.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import uuid
+from typing import Any
+
+from sqlalchemy import (
+    CheckConstraint,
+    ForeignKey,
+    Index,
+    MetaData,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP, UUID
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class TaskStatus(enum.StrEnum):
+    """The states of a task (DESIGN §4).
+
+    pending -> processing -> completed | failed | pending (retry, release);
+    pending -> cancelled; failed | cancelled -> pending (retry through the API).
+    """
+
+    PENDING = "pending"
+    PROCESSING = "processing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL_STATUSES = (TaskStatus.COMPLETED, TaskStatus.FAILED, TaskStatus.CANCELLED)
+
+# Constraint and index names, used as constants when translating driver errors.
+UQ_COMPANY_API_KEY_HASH = "uq_companies_api_key_hash"
+UQ_TASK_IDEMPOTENCY_KEY = "uq_tasks_company_id_idempotency_key"
+FK_TASK_COMPANY = "fk_tasks_company_id_companies"
+CK_TASK_STATUS = "ck_tasks_status"
+CK_TASK_MAX_ATTEMPTS = "ck_tasks_max_attempts_range"
+CK_TASK_PAYLOAD_OBJECT = "ck_tasks_payload_is_object"
+CK_TASK_ATTEMPTS = "ck_tasks_attempts_non_negative"
+
+MAX_ATTEMPTS_LIMIT = 50
+
+Timestamp = TIMESTAMP(timezone=True)
+
+
+class Base(DeclarativeBase):
+    """Declarative base carrying the naming convention for every constraint and index."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Company(Base):
+    """A tenant. Its API key is stored only as the SHA-256 hex digest."""
+
+    __tablename__ = "companies"
+
+    id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), primary_key=True, server_default=text("gen_random_uuid()")
+    )
+    name: Mapped[str] = mapped_column(Text, nullable=False)
+    api_key_hash: Mapped[str] = mapped_column(Text, nullable=False)
+    created_at: Mapped[dt.datetime] = mapped_column(
+        Timestamp, nullable=False, server_default=text("now()")
+    )
+
+    __table_args__ = (UniqueConstraint("api_key_hash"),)
+
+
+_status_values = ", ".join(f"'{s.value}'" for s in TaskStatus)
+
+
+class Task(Base):
+    """A unit of background work owned by one company (DESIGN §2 `tasks`)."""
+
+    __tablename__ = "tasks"
+
+    id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), primary_key=True, server_default=text("gen_random_uuid()")
+    )
+    company_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("companies.id", ondelete="CASCADE"), nullable=False
+    )
+    type: Mapped[str] = mapped_column(Text, nullable=False)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    status: Mapped[str] = mapped_column(
+        Text, nullable=False, server_default=text(f"'{TaskStatus.PENDING.value}'")
+    )
+    idempotency_key: Mapped[str | None] = mapped_column(Text)
+    request_hash: Mapped[str | None] = mapped_column(Text)
+    attempts: Mapped[int] = mapped_column(nullable=False, server_default=text("0"))
+    max_attempts: Mapped[int] = mapped_column(nullable=False, server_default=text("5"))
+    run_after: Mapped[dt.datetime] = mapped_column(
+        Timestamp, nullable=False, server_default=text("now()")
+    )
+    lease_token: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    locked_by: Mapped[str | None] = mapped_column(Text)
+    locked_at: Mapped[dt.datetime | None] = mapped_column(Timestamp)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(
+        Timestamp, nullable=False, server_default=text("now()")
+    )
+    updated_at: Mapped[dt.datetime] = mapped_column(
+        Timestamp, nullable=False, server_default=text("now()")
+    )
+    started_at: Mapped[dt.datetime | None] = mapped_column(Timestamp)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(Timestamp)
+
+    __table_args__ = (
+        UniqueConstraint("company_id", "idempotency_key"),
+        CheckConstraint(f"status IN ({_status_values})", name="status"),
+        CheckConstraint(
+            f"max_attempts BETWEEN 1 AND {MAX_ATTEMPTS_LIMIT}", name="max_attempts_range"
+        ),
+        CheckConstraint("attempts >= 0", name="attempts_non_negative"),
+        CheckConstraint("jsonb_typeof(payload) = 'object'", name="payload_is_object"),
+        # The claim's per-company top-K: one ordered scan per company over live rows; the
+        # INCLUDE columns let the eligibility filter run without visiting the heap.
+        Index(
+            "ix_tasks_claimable",
+            "company_id",
+            "created_at",
+            postgresql_include=["status", "run_after", "locked_at"],
+            postgresql_where=text("status IN ('pending', 'processing')"),
+        ),
+        # Stale-lease recovery and the poison-pill sweep look only at processing rows.
+        Index(
+            "ix_tasks_processing_locked_at",
+            "locked_at",
+            postgresql_where=text("status = 'processing'"),
+        ),
+        # GET /companies/{id}/tasks: newest first, with a stable tiebreak.
+        Index(
+            "ix_tasks_company_listing",
+            "company_id",
+            text("created_at DESC"),
+            text("id DESC"),
+        ),
+        # Retention deletes terminal rows by age.
+        Index(
+            "ix_tasks_terminal_finished_at",
+            "finished_at",
+            postgresql_where=text("status IN ('completed', 'failed', 'cancelled')"),
+        ),
+    )

@@ -1,0 +1,54 @@
+"""What a task type is: a payload schema plus a handler (DESIGN §6)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from marshmallow import Schema
+
+
+@dataclass(frozen=True)
+class HandlerConfig:
+    """Settings handlers need, passed in so handlers never read the environment.
+
+    `smtp_url`: `smtp://host:port` (or `smtps://`, with optional `user:password@`);
+    `webhook_allow_private`: allow loopback/private/link-local webhook targets;
+    `webhook_timeout`: seconds for connect and read of one webhook call.
+    """
+
+    smtp_url: str = "smtp://127.0.0.1:1025"
+    smtp_from: str = "fairq@localhost"
+    webhook_allow_private: bool = False
+    webhook_timeout: float = 10.0
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """One attempt at one task, as a handler sees it.
+
+    `task_id` is the idempotency key for every side effect (DESIGN §1.1); `attempt` counts from 1.
+    """
+
+    task_id: uuid.UUID
+    company_id: uuid.UUID
+    type: str
+    payload: Mapping[str, Any]
+    attempt: int
+    max_attempts: int
+    config: HandlerConfig = field(default_factory=HandlerConfig)
+
+
+Handler = Callable[[TaskContext], None]
+
+
+@dataclass(frozen=True)
+class TaskType:
+    """A registered task type: `name` as used in the API, its payload schema and its handler."""
+
+    name: str
+    description: str
+    payload_schema: type[Schema]
+    handler: Handler

@@ -1,0 +1,158 @@
+"""`send_email` {to, subject, body?}: one message over SMTP, identified by the task id (DESIGN §6)."""
+
+from __future__ import annotations
+
+import datetime
+import email.utils
+import smtplib
+import ssl
+import urllib.parse
+from email.message import EmailMessage
+
+from marshmallow import RAISE, Schema, fields, validate
+
+from worker.errors import PermanentTaskError
+from worker.tasktypes.base import HandlerConfig, TaskContext, TaskType
+
+# Seconds for connecting and for each SMTP command; a relay slower than this is treated as down
+# and the task is retried.
+SMTP_TIMEOUT_SECONDS = 30.0
+
+_DEFAULT_PORTS = {"smtp": 25, "smtps": 465}
+
+# 5xx replies that mean "authenticate first / your credentials are wrong" (RFC 4954 §6): a config
+# problem of ours, not of the message, so they are retried rather than failing the task for good.
+_AUTH_REPLY_CODES = frozenset({530, 534, 535, 538})
+
+# How much of a server reply an error message may quote.
+_QUOTE_LIMIT = 200
+
+
+class SendEmailPayload(Schema):
+    """`to`: one address; `subject`: 1..998 chars (RFC 5322 line limit); `body`: text."""
+
+    class Meta:
+        unknown = RAISE
+
+    to = fields.Email(required=True, metadata={"description": "Recipient address."})
+    subject = fields.String(required=True, validate=validate.Length(min=1, max=998))
+    body = fields.String(load_default="", validate=validate.Length(max=60_000))
+
+
+class SmtpRetryableError(Exception):
+    """Sending failed in a way that may pass later (4xx reply, connection or config problem)."""
+
+
+def handle(task: TaskContext) -> None:
+    """Send `payload.subject`/`payload.body` to `payload.to` through `config.smtp_url`.
+
+    `Message-ID` is `<{task id}@fairq>` and `X-Fairq-Task-Id` carries the task id, so a resend
+    after a crash (at-least-once, DESIGN §1.1) is recognisable downstream.
+
+    Raises `PermanentTaskError` when the server rejects the message or recipient with a 5xx
+    reply (RFC 5321 §4.2.1), or when the payload cannot form a message (e.g. a line break in the
+    subject); `SmtpRetryableError` for 4xx replies, connection errors, timeouts, and for
+    configuration problems (bad `smtp_url`, rejected credentials) that operators must fix.
+    """
+    message = _build_message(task)
+    try:
+        _send(task.config, message)
+    except smtplib.SMTPException as exc:
+        raise _classify(exc) from exc
+    except OSError as exc:  # refused, unreachable, timeout, TLS failure
+        raise SmtpRetryableError(f"SMTP connection failed: {exc}") from exc
+
+
+def _build_message(task: TaskContext) -> EmailMessage:
+    """Build the message; a payload that cannot form a valid message is a `PermanentTaskError`."""
+    message = EmailMessage()
+    try:
+        message["Message-ID"] = f"<{task.task_id}@fairq>"
+        message["X-Fairq-Task-Id"] = str(task.task_id)
+        message["Date"] = email.utils.format_datetime(datetime.datetime.now(datetime.UTC))
+        message["From"] = task.config.smtp_from
+        message["To"] = str(task.payload["to"])
+        message["Subject"] = str(task.payload["subject"])
+        message.set_content(str(task.payload.get("body") or ""))
+    except ValueError as exc:  # the email package refuses CR/LF in headers and bad addresses
+        raise PermanentTaskError(f"cannot build email: {exc}") from exc
+    return message
+
+
+def _send(config: HandlerConfig, message: EmailMessage) -> None:
+    """Connect to `config.smtp_url`, log in if it carries credentials, send, and quit.
+
+    `smtp://` is plain SMTP (no STARTTLS); `smtps://` is implicit TLS with certificate
+    verification. Once the server has accepted the message, a failing QUIT is ignored: the mail
+    is sent, and retrying would only send it twice.
+    """
+    url = urllib.parse.urlsplit(config.smtp_url)
+    try:
+        port = url.port
+    except ValueError as exc:
+        raise SmtpRetryableError(f"SMTP_URL has an invalid port: {exc}") from exc
+    if url.scheme not in _DEFAULT_PORTS or not url.hostname:
+        raise SmtpRetryableError(
+            "SMTP_URL must look like smtp://[user:password@]host[:port] or smtps://...; "
+            f"got scheme {url.scheme!r} and host {url.hostname!r}"
+        )
+    host, port = url.hostname, port or _DEFAULT_PORTS[url.scheme]
+
+    smtp: smtplib.SMTP
+    if url.scheme == "smtps":
+        smtp = smtplib.SMTP_SSL(
+            host, port, timeout=SMTP_TIMEOUT_SECONDS, context=ssl.create_default_context()
+        )
+    else:
+        smtp = smtplib.SMTP(host, port, timeout=SMTP_TIMEOUT_SECONDS)
+    try:
+        if url.username is not None:
+            smtp.login(
+                urllib.parse.unquote(url.username), urllib.parse.unquote(url.password or "")
+            )
+        smtp.send_message(message)
+    except BaseException:
+        smtp.close()
+        raise
+    try:
+        smtp.quit()
+    except (smtplib.SMTPException, OSError):
+        smtp.close()
+
+
+def _classify(exc: smtplib.SMTPException) -> Exception:
+    """Map an smtplib error to `PermanentTaskError` (5xx about the message) or a retryable one."""
+    if isinstance(exc, smtplib.SMTPRecipientsRefused):
+        replies = list(exc.recipients.values())
+        detail = "; ".join(f"{code} {_reply_text(text)}" for code, text in replies)
+        if replies and all(500 <= code < 600 for code, _ in replies):
+            raise_as: type[Exception] = PermanentTaskError
+        else:
+            raise_as = SmtpRetryableError
+        return raise_as(f"SMTP server refused the recipient: {detail}")
+    if isinstance(
+        exc,
+        smtplib.SMTPAuthenticationError | smtplib.SMTPConnectError | smtplib.SMTPHeloError,
+    ):
+        # About our connection or credentials, not this message: every task would fail alike.
+        return SmtpRetryableError(f"SMTP session failed ({type(exc).__name__}): {exc}")
+    if isinstance(exc, smtplib.SMTPResponseException):
+        detail = f"SMTP server answered {exc.smtp_code} {_reply_text(exc.smtp_error)}"
+        if 500 <= exc.smtp_code < 600 and exc.smtp_code not in _AUTH_REPLY_CODES:
+            return PermanentTaskError(detail)
+        return SmtpRetryableError(detail)
+    return SmtpRetryableError(f"SMTP failed ({type(exc).__name__}): {exc}")
+
+
+def _reply_text(text: bytes | str) -> str:
+    """Decode an SMTP reply text and cut it to `_QUOTE_LIMIT` characters."""
+    decoded = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+    return decoded if len(decoded) <= _QUOTE_LIMIT else decoded[:_QUOTE_LIMIT] + "..."
+
+
+TASK_TYPE = TaskType(
+    name="send_email",
+    description="Sends one email over SMTP; the Message-ID is derived from the task id.",
+    payload_schema=SendEmailPayload,
+    handler=handle,
+)

@@ -1,0 +1,249 @@
+"""`webhook` {url, body?, headers?}: one HTTP POST with the task id as idempotency key (DESIGN §6)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+import urllib.parse
+from collections.abc import Mapping
+from typing import Any
+
+import requests
+from marshmallow import RAISE, Schema, fields, validate
+from requests.adapters import HTTPAdapter
+
+from worker.errors import PermanentTaskError
+from worker.tasktypes.base import TaskContext, TaskType
+
+# How much of a response body or header value an error message may quote: enough to diagnose,
+# never a whole page in `last_error`.
+_QUOTE_LIMIT = 200
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+# Headers the user may not set (compared lower-case). Hop-by-hop headers (RFC 9110 §7.6.1) belong
+# to one connection, not to the message; Host and Content-Length are derived from the URL and the
+# body, and a forged pair would misroute or desynchronise the request; Idempotency-Key and
+# Content-Type are ours and must win (DESIGN §1.1).
+_RESERVED_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "idempotency-key",
+        "content-type",
+    }
+)
+
+
+class WebhookPayload(Schema):
+    """`url`: http(s) URL; `body`: any JSON sent as the request body; `headers`: str -> str."""
+
+    class Meta:
+        unknown = RAISE
+
+    url = fields.Url(
+        required=True, schemes={"http", "https"}, require_tld=False, validate=validate.Length(max=2048)
+    )
+    body = fields.Raw(load_default=None, allow_none=True)
+    headers = fields.Dict(
+        keys=fields.String(validate=validate.Length(min=1, max=256)),
+        values=fields.String(validate=validate.Length(max=8192)),
+        load_default=dict,
+    )
+
+
+class WebhookRetryableError(Exception):
+    """The call failed in a way that may pass later (5xx, 408, 429, timeout, no connection)."""
+
+
+class _PinnedAdapter(HTTPAdapter):
+    """Send to an IP-literal URL while TLS still uses and verifies the original host name.
+
+    `server_hostname` sets SNI and the name the certificate must match (urllib3 drops it for
+    plain-http pools), so pinning the address does not weaken HTTPS verification.
+    """
+
+    def __init__(self, server_hostname: str) -> None:
+        self._server_hostname = server_hostname
+        super().__init__(max_retries=0)
+
+    def init_poolmanager(
+        self, connections: int, maxsize: int, block: bool = False, **pool_kwargs: Any
+    ) -> None:
+        """Create the pool manager with `server_hostname` fixed for every pool it makes."""
+        pool_kwargs["server_hostname"] = self._server_hostname
+        super().init_poolmanager(connections, maxsize, block=block, **pool_kwargs)
+
+
+def handle(task: TaskContext) -> None:
+    """POST `payload.body` as JSON to `payload.url` with `Idempotency-Key: <task id>`.
+
+    The body is always JSON: an absent or null `body` is sent as the four bytes `null` with
+    `Content-Type: application/json`, so a receiver's JSON parser never sees an empty body.
+    Redirects are not followed (a redirect could lead past the SSRF guard); timeouts are
+    `config.webhook_timeout` seconds for connect and for each read.
+
+    Raises `PermanentTaskError` for a refused target (see `_resolve_pinned`), a 3xx, a 4xx other
+    than 408/429, or a payload that cannot be sent; `WebhookRetryableError` for 408, 429, 5xx,
+    timeouts and connection errors. A 2xx completes the task.
+    """
+    config = task.config
+    url = urllib.parse.urlsplit(str(task.payload["url"]))
+    pinned_url, host_header, server_hostname = _resolve_pinned(
+        url, allow_private=config.webhook_allow_private
+    )
+    try:
+        data = json.dumps(task.payload.get("body"), allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        raise PermanentTaskError(f"webhook body is not JSON-serialisable: {exc}") from exc
+    headers = _request_headers(task.payload.get("headers") or {})
+    headers["Host"] = host_header
+    headers["Content-Type"] = "application/json"
+    headers["Idempotency-Key"] = str(task.task_id)
+
+    with requests.Session() as session:
+        # No proxies or ~/.netrc from the environment: a proxy would make its own DNS and routing
+        # decisions behind the guard, and netrc could attach our credentials to a user's URL.
+        session.trust_env = False
+        session.mount(f"{url.scheme}://", _PinnedAdapter(server_hostname))
+        try:
+            response = session.post(
+                pinned_url,
+                data=data,
+                headers=headers,
+                timeout=(config.webhook_timeout, config.webhook_timeout),
+                allow_redirects=False,
+                stream=True,  # 2xx bodies are never read; error bodies only up to the quote limit
+            )
+        except (requests.exceptions.InvalidHeader, requests.exceptions.InvalidURL) as exc:
+            raise PermanentTaskError(f"webhook request is invalid: {exc}") from exc
+        except requests.RequestException as exc:
+            raise WebhookRetryableError(f"webhook call failed: {_quote(str(exc))}") from exc
+        with response:
+            _check_status(response)
+
+
+def _resolve_pinned(url: urllib.parse.SplitResult, *, allow_private: bool) -> tuple[str, str, str]:
+    """Resolve the URL's host once and return (URL with the checked IP, Host header, TLS name).
+
+    SSRF guard (DESIGN §6): unless `allow_private`, refuse with `PermanentTaskError` if ANY
+    address the name resolves to is not a public unicast address (loopback, private, link-local,
+    multicast, reserved, unspecified, shared, including IPv4-mapped IPv6 forms). Refusing on any
+    rather than filtering keeps a name that mixes public and internal records from being a coin
+    toss. The request then goes to the first checked address (the URL is rewritten to it), so a
+    DNS answer that changes between check and connect (rebinding) cannot redirect the request.
+    A resolution failure is transient (`WebhookRetryableError`).
+    """
+    if url.scheme not in _DEFAULT_PORTS or not url.hostname:
+        raise PermanentTaskError(f"webhook url must be http(s) with a host, got {_quote(url.geturl())}")
+    try:
+        explicit_port = url.port
+        host = url.hostname.encode("idna").decode("ascii")
+    except (ValueError, UnicodeError) as exc:
+        raise PermanentTaskError(f"webhook url is invalid: {exc}") from exc
+    port = explicit_port if explicit_port is not None else _DEFAULT_PORTS[url.scheme]
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise WebhookRetryableError(f"cannot resolve webhook host {host!r}: {exc}") from exc
+    addresses = [ipaddress.ip_address(info[4][0]) for info in infos]
+    if not addresses:
+        raise WebhookRetryableError(f"webhook host {host!r} resolved to no address")
+    if not allow_private:
+        refused = [a for a in addresses if _is_forbidden(a)]
+        if refused:
+            raise PermanentTaskError(
+                f"webhook host {host!r} resolves to non-public address {refused[0]} "
+                "(set WEBHOOK_ALLOW_PRIVATE=true to allow)"
+            )
+
+    target = addresses[0]
+    literal = str(target).replace("%", "%25") if target.version == 6 else str(target)
+    netloc = f"[{literal}]:{port}" if target.version == 6 else f"{literal}:{port}"
+    if "@" in url.netloc:  # keep URL credentials: requests turns them into Basic auth
+        netloc = f"{url.netloc.rpartition('@')[0]}@{netloc}"
+    pinned = urllib.parse.urlunsplit((url.scheme, netloc, url.path or "/", url.query, ""))
+
+    host_in_header = f"[{host}]" if ":" in host else host
+    if explicit_port is not None and explicit_port != _DEFAULT_PORTS[url.scheme]:
+        host_in_header = f"{host_in_header}:{explicit_port}"
+    return pinned, host_in_header, host
+
+
+def _is_forbidden(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Tell whether `address` is anything but a public unicast address (the SSRF guard's rule)."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # ::ffff:127.0.0.1 reaches 127.0.0.1
+    return (
+        address.is_loopback
+        or address.is_private
+        or address.is_link_local
+        or address.is_multicast
+        or address.is_reserved
+        or address.is_unspecified
+        or not address.is_global  # also shared address space 100.64/10 (RFC 6598)
+    )
+
+
+def _request_headers(user_headers: Mapping[str, Any]) -> dict[str, str]:
+    """Copy the user's headers, dropping every name in `_RESERVED_HEADERS` (any case)."""
+    return {
+        str(name): str(value)
+        for name, value in user_headers.items()
+        if str(name).strip().lower() not in _RESERVED_HEADERS
+    }
+
+
+def _check_status(response: requests.Response) -> None:
+    """Return for a 2xx; raise the error that the status code calls for (see `handle`)."""
+    status = response.status_code
+    if 200 <= status < 300:
+        return
+    if 300 <= status < 400:
+        location = _quote(response.headers.get("Location", ""))
+        raise PermanentTaskError(
+            f"webhook answered redirect {status} to {location!r}; redirects are not followed"
+        )
+    detail = f"webhook answered {status} {response.reason}: {_body_excerpt(response)}"
+    if status in (408, 429) or status >= 500:
+        raise WebhookRetryableError(detail)
+    if 400 <= status < 500:
+        raise PermanentTaskError(detail)
+    raise WebhookRetryableError(detail)  # 1xx as final or a non-standard code: try again later
+
+
+def _body_excerpt(response: requests.Response) -> str:
+    """Read at most `_QUOTE_LIMIT` characters of the body; an unreadable body is quoted as ''."""
+    try:
+        chunk = next(response.iter_content(chunk_size=_QUOTE_LIMIT), b"")
+    except requests.RequestException:
+        return ""
+    return _quote(chunk.decode("utf-8", errors="replace"))
+
+
+def _quote(text: str) -> str:
+    """Cut `text` to `_QUOTE_LIMIT` characters, marking the cut."""
+    return text if len(text) <= _QUOTE_LIMIT else text[:_QUOTE_LIMIT] + "..."
+
+
+TASK_TYPE = TaskType(
+    name="webhook",
+    description=(
+        "POSTs `body` as JSON to `url` with `Idempotency-Key: <task id>`. 2xx completes; "
+        "4xx other than 408/429 fails permanently; 5xx and timeouts are retried."
+    ),
+    payload_schema=WebhookPayload,
+    handler=handle,
+)
