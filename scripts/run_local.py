@@ -1,0 +1,146 @@
+"""Start fairq locally: PostgreSQL, migrations, the API on :8000 and the worker supervisor.
+
+`make run` calls this. PostgreSQL comes from `DATABASE_URL` when set, else an embedded
+PostgreSQL 16 with its data in `.pgdata/dev`. The admin token comes from `ADMIN_TOKEN`, else
+one is generated once and kept in `.run/admin_token`. Ctrl-C (or SIGTERM) stops everything
+gracefully: TERM to the API and the worker, then the embedded server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+import psycopg
+from sqlalchemy.engine import make_url
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from db.embedded import EmbeddedPostgres  # noqa: E402  (needs the repository on sys.path)
+
+EMBEDDED_PORT = 54329
+RUN_DIR = ROOT / ".run"
+
+
+def admin_token() -> str:
+    """`ADMIN_TOKEN`, or a token generated once and kept in `.run/admin_token`."""
+    path = RUN_DIR / "admin_token"
+    token = os.environ.get("ADMIN_TOKEN", "").strip()
+    if not token and path.exists():
+        token = path.read_text().strip()
+    token = token or secrets.token_urlsafe(24)
+    # Kept in a file so the README's curl lines can read it from any shell.
+    RUN_DIR.mkdir(exist_ok=True)
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return token
+
+
+def ensure_database(url: str) -> None:
+    """Create the database named in `url` when the server does not have it yet."""
+    parsed = make_url(url)
+    admin = parsed.set(drivername="postgresql", database="postgres")
+    with psycopg.connect(admin.render_as_string(hide_password=False), autocommit=True) as conn:
+        exists = conn.execute(
+            "SELECT 1 FROM pg_database WHERE datname = %s", (parsed.database,)
+        ).fetchone()
+        if not exists:
+            conn.execute(f'CREATE DATABASE "{parsed.database}"')
+
+
+def main() -> int:
+    """Run until interrupted; return the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+    parser.add_argument("--no-worker", action="store_true", help="start only the API")
+    args = parser.parse_args()
+
+    embedded: EmbeddedPostgres | None = None
+    database_url = os.environ.get("DATABASE_URL", "").strip()
+    if not database_url:
+        embedded = EmbeddedPostgres(ROOT / ".pgdata" / "dev", EMBEDDED_PORT)
+        print(f"starting embedded PostgreSQL 16 on 127.0.0.1:{EMBEDDED_PORT} (.pgdata/dev)")
+        embedded.start()
+        database_url = embedded.url("fairq")
+    ensure_database(database_url)
+
+    token = admin_token()
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "ADMIN_TOKEN": token,
+        "GUNICORN_BIND": os.environ.get("GUNICORN_BIND", f"127.0.0.1:{args.port}"),
+        "PYTHONPATH": str(ROOT),
+    }
+    py = sys.executable
+    subprocess.run([py, "-m", "alembic", "upgrade", "head"], cwd=ROOT, env=env, check=True)
+
+    procs: list[subprocess.Popen[bytes]] = [
+        subprocess.Popen(
+            [py, "-m", "gunicorn", "-c", "deploy/gunicorn.conf.py", "wsgi:app"],
+            cwd=ROOT,
+            env=env,
+            # Own process group: Ctrl-C reaches only us, and we stop children with TERM
+            # (graceful) instead of the terminal's INT (gunicorn's quick shutdown).
+            process_group=0,
+        )
+    ]
+    worker_main = ROOT / "worker" / "__main__.py"
+    if not args.no_worker and worker_main.exists():
+        procs.append(
+            subprocess.Popen([py, "-m", "worker"], cwd=ROOT, env=env, process_group=0)
+        )
+
+    stopping = False
+
+    def request_stop(signum: int, _frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+
+    base = f"http://127.0.0.1:{args.port}"
+    print(
+        f"\nfairq is starting on {base} (docs: {base}/docs)\n"
+        f"Admin token: {token}\n\n"
+        "Next, in another shell in this directory, create a company:\n\n"
+        "  ADMIN_TOKEN=$(cat .run/admin_token)\n"
+        f"  curl -s -X POST {base}/companies -H \"Authorization: Bearer $ADMIN_TOKEN\" "
+        "-H 'Content-Type: application/json' -d '{\"name\": \"Acme\"}'\n\n"
+        "Press Ctrl-C to stop everything.\n",
+        flush=True,
+    )
+    status = 0
+    try:
+        while not stopping:
+            for proc in procs:
+                if proc.poll() is not None:
+                    print(f"{proc.args[2]} exited with {proc.returncode}; stopping", flush=True)
+                    stopping, status = True, 1
+            time.sleep(0.2)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if embedded is not None:
+            embedded.stop()
+            print("embedded PostgreSQL stopped")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
