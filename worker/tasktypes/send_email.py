@@ -1,4 +1,4 @@
-"""`send_email` {to, subject, body?}: one message over SMTP, identified by the task id (DESIGN §6)."""
+"""`send_email` {to, subject, body?}: one SMTP message, identified by the task id (DESIGN §6)."""
 
 from __future__ import annotations
 
@@ -107,9 +107,7 @@ def _send(config: HandlerConfig, message: EmailMessage) -> None:
         smtp = smtplib.SMTP(host, port, timeout=SMTP_TIMEOUT_SECONDS)
     try:
         if url.username is not None:
-            smtp.login(
-                urllib.parse.unquote(url.username), urllib.parse.unquote(url.password or "")
-            )
+            smtp.login(urllib.parse.unquote(url.username), urllib.parse.unquote(url.password or ""))
         smtp.send_message(message)
     except BaseException:
         smtp.close()

@@ -1,4 +1,4 @@
-"""`webhook` {url, body?, headers?}: one HTTP POST with the task id as idempotency key (DESIGN §6)."""
+"""`webhook` {url, body?, headers?}: one HTTP POST keyed by the task id (DESIGN §6)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import json
 import socket
 import urllib.parse
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import requests
+import urllib3.exceptions
 from marshmallow import RAISE, Schema, fields, validate
 from requests.adapters import HTTPAdapter
 
@@ -21,6 +23,10 @@ from worker.tasktypes.base import TaskContext, TaskType
 _QUOTE_LIMIT = 200
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+
+# Addresses of one name tried before giving up for this attempt: bounds one attempt to a few
+# connect timeouts however many records the name has.
+_MAX_ADDRESSES = 3
 
 # Headers the user may not set (compared lower-case). Hop-by-hop headers (RFC 9110 §7.6.1) belong
 # to one connection, not to the message; Host and Content-Length are derived from the URL and the
@@ -53,7 +59,10 @@ class WebhookPayload(Schema):
         unknown = RAISE
 
     url = fields.Url(
-        required=True, schemes={"http", "https"}, require_tld=False, validate=validate.Length(max=2048)
+        required=True,
+        schemes={"http", "https"},
+        require_tld=False,
+        validate=validate.Length(max=2048),
     )
     body = fields.Raw(load_default=None, allow_none=True)
     headers = fields.Dict(
@@ -92,23 +101,23 @@ def handle(task: TaskContext) -> None:
     The body is always JSON: an absent or null `body` is sent as the four bytes `null` with
     `Content-Type: application/json`, so a receiver's JSON parser never sees an empty body.
     Redirects are not followed (a redirect could lead past the SSRF guard); timeouts are
-    `config.webhook_timeout` seconds for connect and for each read.
+    `config.webhook_timeout` seconds for connect and for each read. The checked addresses are
+    tried in resolver order, moving on only when a connection cannot be opened (nothing was
+    sent), at most `_MAX_ADDRESSES` of them.
 
-    Raises `PermanentTaskError` for a refused target (see `_resolve_pinned`), a 3xx, a 4xx other
-    than 408/429, or a payload that cannot be sent; `WebhookRetryableError` for 408, 429, 5xx,
+    Raises `PermanentTaskError` for a refused target (see `_resolve`), a 3xx, a 4xx other than
+    408/429, or a payload that cannot be sent; `WebhookRetryableError` for 408, 429, 5xx,
     timeouts and connection errors. A 2xx completes the task.
     """
     config = task.config
     url = urllib.parse.urlsplit(str(task.payload["url"]))
-    pinned_url, host_header, server_hostname = _resolve_pinned(
-        url, allow_private=config.webhook_allow_private
-    )
+    target = _resolve(url, allow_private=config.webhook_allow_private)
     try:
         data = json.dumps(task.payload.get("body"), allow_nan=False).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise PermanentTaskError(f"webhook body is not JSON-serialisable: {exc}") from exc
     headers = _request_headers(task.payload.get("headers") or {})
-    headers["Host"] = host_header
+    headers["Host"] = target.host_header
     headers["Content-Type"] = "application/json"
     headers["Idempotency-Key"] = str(task.task_id)
 
@@ -116,37 +125,54 @@ def handle(task: TaskContext) -> None:
         # No proxies or ~/.netrc from the environment: a proxy would make its own DNS and routing
         # decisions behind the guard, and netrc could attach our credentials to a user's URL.
         session.trust_env = False
-        session.mount(f"{url.scheme}://", _PinnedAdapter(server_hostname))
-        try:
-            response = session.post(
-                pinned_url,
-                data=data,
-                headers=headers,
-                timeout=(config.webhook_timeout, config.webhook_timeout),
-                allow_redirects=False,
-                stream=True,  # 2xx bodies are never read; error bodies only up to the quote limit
-            )
-        except (requests.exceptions.InvalidHeader, requests.exceptions.InvalidURL) as exc:
-            raise PermanentTaskError(f"webhook request is invalid: {exc}") from exc
-        except requests.RequestException as exc:
-            raise WebhookRetryableError(f"webhook call failed: {_quote(str(exc))}") from exc
-        with response:
-            _check_status(response)
+        session.mount(f"{url.scheme}://", _PinnedAdapter(target.host))
+        addresses = target.addresses[:_MAX_ADDRESSES]
+        for index, address in enumerate(addresses):
+            try:
+                response = session.post(
+                    _pinned_url(url, address, target.port),
+                    data=data,
+                    headers=headers,
+                    timeout=(config.webhook_timeout, config.webhook_timeout),
+                    allow_redirects=False,
+                    stream=True,  # 2xx bodies are never read; error bodies only up to the limit
+                )
+            except (requests.exceptions.InvalidHeader, requests.exceptions.InvalidURL) as exc:
+                raise PermanentTaskError(f"webhook request is invalid: {exc}") from exc
+            except requests.RequestException as exc:
+                if _failed_to_connect(exc) and index + 1 < len(addresses):
+                    continue
+                raise WebhookRetryableError(f"webhook call failed: {_quote(str(exc))}") from exc
+            with response:
+                _check_status(response)
+            return
 
 
-def _resolve_pinned(url: urllib.parse.SplitResult, *, allow_private: bool) -> tuple[str, str, str]:
-    """Resolve the URL's host once and return (URL with the checked IP, Host header, TLS name).
+@dataclass(frozen=True)
+class _Target:
+    """Where a webhook goes: checked `addresses`, `port`, ASCII `host` and the Host header."""
 
-    SSRF guard (DESIGN §6): unless `allow_private`, refuse with `PermanentTaskError` if ANY
-    address the name resolves to is not a public unicast address (loopback, private, link-local,
-    multicast, reserved, unspecified, shared, including IPv4-mapped IPv6 forms). Refusing on any
-    rather than filtering keeps a name that mixes public and internal records from being a coin
-    toss. The request then goes to the first checked address (the URL is rewritten to it), so a
-    DNS answer that changes between check and connect (rebinding) cannot redirect the request.
+    host: str
+    port: int
+    host_header: str
+    addresses: list[ipaddress.IPv4Address | ipaddress.IPv6Address]
+
+
+def _resolve(url: urllib.parse.SplitResult, *, allow_private: bool) -> _Target:
+    """Resolve the URL's host once and apply the SSRF guard to every address it resolves to.
+
+    SSRF guard (DESIGN §6): unless `allow_private`, raise `PermanentTaskError` if ANY address
+    is not a public unicast address (loopback, private, link-local, multicast, reserved,
+    unspecified, shared, including their IPv4-mapped IPv6 forms). Refusing on any rather than
+    filtering keeps a name that mixes public and internal records from being a coin toss. The
+    caller connects only to these checked addresses (the URL is rewritten to the IP), so a DNS
+    answer that changes between check and connect (rebinding) cannot redirect the request.
     A resolution failure is transient (`WebhookRetryableError`).
     """
     if url.scheme not in _DEFAULT_PORTS or not url.hostname:
-        raise PermanentTaskError(f"webhook url must be http(s) with a host, got {_quote(url.geturl())}")
+        raise PermanentTaskError(
+            f"webhook url must be http(s) with a host, got {_quote(url.geturl())}"
+        )
     try:
         explicit_port = url.port
         host = url.hostname.encode("idna").decode("ascii")
@@ -158,7 +184,7 @@ def _resolve_pinned(url: urllib.parse.SplitResult, *, allow_private: bool) -> tu
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:
         raise WebhookRetryableError(f"cannot resolve webhook host {host!r}: {exc}") from exc
-    addresses = [ipaddress.ip_address(info[4][0]) for info in infos]
+    addresses = list(dict.fromkeys(ipaddress.ip_address(info[4][0]) for info in infos))
     if not addresses:
         raise WebhookRetryableError(f"webhook host {host!r} resolved to no address")
     if not allow_private:
@@ -169,17 +195,32 @@ def _resolve_pinned(url: urllib.parse.SplitResult, *, allow_private: bool) -> tu
                 "(set WEBHOOK_ALLOW_PRIVATE=true to allow)"
             )
 
-    target = addresses[0]
-    literal = str(target).replace("%", "%25") if target.version == 6 else str(target)
-    netloc = f"[{literal}]:{port}" if target.version == 6 else f"{literal}:{port}"
+    host_header = f"[{host}]" if ":" in host else host
+    if explicit_port is not None and explicit_port != _DEFAULT_PORTS[url.scheme]:
+        host_header = f"{host_header}:{explicit_port}"
+    return _Target(host=host, port=port, host_header=host_header, addresses=addresses)
+
+
+def _pinned_url(
+    url: urllib.parse.SplitResult, address: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int
+) -> str:
+    """Rewrite `url` to point at `address` (keeping credentials, path and query; no fragment)."""
+    if address.version == 6:
+        netloc = f"[{str(address).replace('%', '%25')}]:{port}"  # a zone id is %-encoded in URLs
+    else:
+        netloc = f"{address}:{port}"
     if "@" in url.netloc:  # keep URL credentials: requests turns them into Basic auth
         netloc = f"{url.netloc.rpartition('@')[0]}@{netloc}"
-    pinned = urllib.parse.urlunsplit((url.scheme, netloc, url.path or "/", url.query, ""))
+    return urllib.parse.urlunsplit((url.scheme, netloc, url.path or "/", url.query, ""))
 
-    host_in_header = f"[{host}]" if ":" in host else host
-    if explicit_port is not None and explicit_port != _DEFAULT_PORTS[url.scheme]:
-        host_in_header = f"{host_in_header}:{explicit_port}"
-    return pinned, host_in_header, host
+
+def _failed_to_connect(exc: requests.RequestException) -> bool:
+    """Tell whether `exc` means no connection was opened, so no byte of the request was sent."""
+    reason = exc.args[0] if exc.args else None
+    return isinstance(exc, requests.ConnectionError) and (
+        isinstance(reason, urllib3.exceptions.MaxRetryError)
+        and isinstance(reason.reason, urllib3.exceptions.ConnectTimeoutError)
+    )
 
 
 def _is_forbidden(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
