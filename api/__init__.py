@@ -6,7 +6,7 @@ import logging
 
 from flask import Flask
 
-from api import database, errors
+from api import database, errors, metrics
 from api.settings import ApiSettings
 
 __all__ = ["create_app"]
@@ -35,9 +35,7 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
         OPENAPI_SWAGGER_UI_URL="/docs/assets/",
         API_SPEC_OPTIONS={
             "info": {"description": "Multi-tenant task queue with fair, lock-safe claiming."},
-            "components": {
-                "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}
-            },
+            "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
             "security": [{"bearer": []}],
         },
     )
@@ -48,13 +46,18 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     for blp in (system_blp, companies_blp, tasks_blp):
         api.register_blueprint(blp)
     _serve_swagger_assets(app)
+    metrics.init_app(
+        app,
+        database.engine_of(app),
+        timeout_ms=settings.ready_timeout_ms,
+        multiprocess=settings.metrics_multiprocess,
+    )
     return app
 
 
 def _serve_swagger_assets(app: Flask) -> None:
     # Swagger UI from a wheel that ships it: /docs renders with no internet access.
     import swagger_ui_bundle  # noqa: PLC0415
-
     from flask import send_from_directory  # noqa: PLC0415
 
     assets = swagger_ui_bundle.swagger_ui_path

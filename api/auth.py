@@ -114,9 +114,7 @@ def admin_required(view: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
-def company_required(
-    *, allow_admin: bool = False
-) -> Callable[[Callable[P, R]], Callable[P, R]]:
+def company_required(*, allow_admin: bool = False) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorate a view taking `company_id` so `require_company` runs before anything else."""
 
     def decorator(view: Callable[P, R]) -> Callable[P, R]:

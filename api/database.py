@@ -23,10 +23,15 @@ def init_app(app: Flask, database_url: str) -> None:
             session.close()
 
 
+def engine_of(app: Flask) -> Engine:
+    """The engine of `app`."""
+    pair: tuple[Engine, sessionmaker[Session]] = app.extensions[_EXT]
+    return pair[0]
+
+
 def engine() -> Engine:
     """The current app's engine."""
-    pair: tuple[Engine, sessionmaker[Session]] = current_app.extensions[_EXT]
-    return pair[0]
+    return engine_of(current_app)
 
 
 def session() -> Session:

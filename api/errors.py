@@ -22,7 +22,7 @@ _DOMAIN_STATUS: tuple[tuple[type[db_errors.DomainError], int], ...] = (
 )
 
 
-class FairqApi(Api):  # type: ignore[misc]  (flask-smorest ships no type hints)
+class FairqApi(Api):  # type: ignore[misc]  # flask-smorest ships no type hints
     """flask-smorest's Api whose error bodies always carry a `message`."""
 
     def handle_http_exception(self, error: HTTPException) -> tuple[dict[str, Any], int, Any]:

@@ -59,11 +59,13 @@ class StrictJsonParser(FlaskParser):
             return core.missing
         return loads_strict(data)
 
-    def _handle_invalid_json_error(self, error: Any, req: flask.Request, *args: Any, **kwargs: Any) -> Any:
+    def _handle_invalid_json_error(
+        self, error: Any, req: flask.Request, *args: Any, **kwargs: Any
+    ) -> Any:
         abort(400, message=f"malformed JSON body: {error.msg}", errors={"json": [error.msg]})
 
 
-class Blueprint(flask_smorest.Blueprint):  # type: ignore[misc]  (untyped library)
+class Blueprint(flask_smorest.Blueprint):  # type: ignore[misc]  # untyped library
     """flask-smorest Blueprint using `StrictJsonParser` for every argument."""
 
     ARGUMENTS_PARSER = StrictJsonParser()

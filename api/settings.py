@@ -15,7 +15,8 @@ class ApiSettings:
 
     `admin_token`: bearer token for admin endpoints, or None (they then answer 503);
     `notify_channel`: PostgreSQL channel woken on task creation (shared with the worker);
-    `ready_timeout_ms`: statement timeout of the readiness probe and the queue collector.
+    `ready_timeout_ms`: statement timeout of the readiness probe and the queue collector;
+    `metrics_multiprocess`: `PROMETHEUS_MULTIPROC_DIR` is set (under gunicorn).
     """
 
     database_url: str
@@ -24,6 +25,7 @@ class ApiSettings:
     ready_timeout_ms: int = 1000
     max_body_bytes: int = 1024 * 1024
     stale_after_seconds: float = 300.0
+    metrics_multiprocess: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ApiSettings:
@@ -40,4 +42,5 @@ class ApiSettings:
             admin_token=token,
             notify_channel=env_str(env, "NOTIFY_CHANNEL", "fairq_tasks"),
             stale_after_seconds=env_float(env, "STALE_AFTER_SECONDS", 300.0, minimum=1.0),
+            metrics_multiprocess=bool(env.get("PROMETHEUS_MULTIPROC_DIR", "").strip()),
         )

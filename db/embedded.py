@@ -68,7 +68,14 @@ class EmbeddedPostgres:
         kwargs: dict[str, object] = {}
         if self._user is not None:
             kwargs["user"] = self._user
-        result = subprocess.run(cmd, capture_output=True, text=True, check=False, **kwargs)  # type: ignore[call-overload]
+        # Fixed binaries from the wheel, argument lists, no shell.
+        result = subprocess.run(  # noqa: S603
+            cmd,
+            capture_output=True,
+            text=True,
+            check=False,
+            **kwargs,  # type: ignore[call-overload]
+        )
         if result.returncode != 0:
             log = self.log_path.read_text() if self.log_path.exists() else ""
             raise subprocess.CalledProcessError(
@@ -81,7 +88,7 @@ class EmbeddedPostgres:
         try:
             pwd.getpwnam(self._user)
         except KeyError:
-            subprocess.run(["useradd", "-s", "/bin/sh", self._user], check=True)
+            subprocess.run(["useradd", "-s", "/bin/sh", self._user], check=True)  # noqa: S603, S607
         entry = pwd.getpwnam(self._user)
         # The server user must traverse every parent of the data directory and run the binaries.
         traverse = stat.S_IXGRP | stat.S_IXOTH | stat.S_IRGRP | stat.S_IROTH

@@ -22,3 +22,27 @@ accesslog = os.environ.get("GUNICORN_ACCESSLOG", "-")
 access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(M)sms'
 # gunicorn 27 opens a control socket in ~/.gunicorn by default; two instances would collide.
 control_socket_disable = True
+
+
+def on_starting(server: object) -> None:
+    """Empty the metrics directory before any worker writes to it.
+
+    Counters would otherwise carry over from the previous run (STACK.md). Only the master
+    runs this, before forking; `prometheus_client` is not imported here on purpose.
+    """
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not directory:
+        return
+    os.makedirs(directory, exist_ok=True)
+    for name in os.listdir(directory):
+        if name.endswith(".db"):
+            os.remove(os.path.join(directory, name))
+
+
+def child_exit(server: object, worker: object) -> None:
+    """Drop a dead worker's live gauges from the aggregated view."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # Imported lazily: the variable must be set before prometheus_client is first imported.
+        from prometheus_client import multiprocess  # noqa: PLC0415
+
+        multiprocess.mark_process_dead(worker.pid)  # type: ignore[attr-defined,no-untyped-call]

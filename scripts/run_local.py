@@ -83,11 +83,14 @@ def main() -> int:
     py = sys.executable
     subprocess.run([py, "-m", "alembic", "upgrade", "head"], cwd=ROOT, env=env, check=True)
 
+    # One metrics directory per process tree: the API's and the worker's must differ.
+    api_env = {**env, "PROMETHEUS_MULTIPROC_DIR": str(RUN_DIR / "prometheus-api")}
+    worker_env = {**env, "PROMETHEUS_MULTIPROC_DIR": str(RUN_DIR / "prometheus-worker")}
     procs: list[subprocess.Popen[bytes]] = [
         subprocess.Popen(
             [py, "-m", "gunicorn", "-c", "deploy/gunicorn.conf.py", "wsgi:app"],
             cwd=ROOT,
-            env=env,
+            env=api_env,
             # Own process group: Ctrl-C reaches only us, and we stop children with TERM
             # (graceful) instead of the terminal's INT (gunicorn's quick shutdown).
             process_group=0,
@@ -96,7 +99,7 @@ def main() -> int:
     worker_main = ROOT / "worker" / "__main__.py"
     if not args.no_worker and worker_main.exists():
         procs.append(
-            subprocess.Popen([py, "-m", "worker"], cwd=ROOT, env=env, process_group=0)
+            subprocess.Popen([py, "-m", "worker"], cwd=ROOT, env=worker_env, process_group=0)
         )
 
     stopping = False
@@ -114,7 +117,7 @@ def main() -> int:
         f"Admin token: {token}\n\n"
         "Next, in another shell in this directory, create a company:\n\n"
         "  ADMIN_TOKEN=$(cat .run/admin_token)\n"
-        f"  curl -s -X POST {base}/companies -H \"Authorization: Bearer $ADMIN_TOKEN\" "
+        f'  curl -s -X POST {base}/companies -H "Authorization: Bearer $ADMIN_TOKEN" '
         "-H 'Content-Type: application/json' -d '{\"name\": \"Acme\"}'\n\n"
         "Press Ctrl-C to stop everything.\n",
         flush=True,
@@ -124,7 +127,7 @@ def main() -> int:
         while not stopping:
             for proc in procs:
                 if proc.poll() is not None:
-                    print(f"{proc.args[2]} exited with {proc.returncode}; stopping", flush=True)
+                    print(f"{proc.args!r} exited with {proc.returncode}; stopping", flush=True)
                     stopping, status = True, 1
             time.sleep(0.2)
     finally:

@@ -22,7 +22,10 @@ class Companies(MethodView):
     @auth.admin_required
     @blp.arguments(CompanyCreateSchema)
     @blp.response(201, CompanyCreatedSchema)
+    @blp.alt_response(400, description="Malformed JSON.")
     @blp.alt_response(401, description="Missing or invalid admin token.")
+    @blp.alt_response(413, description="Body larger than 1 MiB.")
+    @blp.alt_response(415, description="Body is not JSON.")
     @blp.alt_response(503, description="ADMIN_TOKEN is not configured.")
     def post(self, body: dict[str, Any]) -> dict[str, Any]:
         """Create a company and return its API key (admin only)."""
