@@ -1,14 +1,15 @@
 """Request-body parsing that turns every malformed body into a 4xx, never a 500.
 
-The stock parser accepts `NaN`/`Infinity` (which jsonb rejects later) and lets a deeply
-nested document raise `RecursionError`; this one rejects both as malformed JSON (400) and
-answers a non-JSON `Content-Type` with 415.
+The stock parser accepts `NaN`/`Infinity` and unpaired surrogate escapes (which jsonb and
+UTF-8 reject later) and lets a deeply nested document raise `RecursionError`; this one rejects
+all of them as malformed JSON (400) and answers a non-JSON `Content-Type` with 415.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import flask
@@ -16,6 +17,10 @@ import flask_smorest
 from flask_smorest import abort
 from webargs import core
 from webargs.flaskparser import FlaskParser, is_json_request
+
+# A \uD800-\uDFFF escape. json.loads turns an unpaired one into a lone surrogate, which UTF-8
+# (so the hash, psycopg and jsonb) cannot encode: a 500 later. A pair is one valid character.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _reject_constant(name: str) -> Any:
@@ -30,22 +35,30 @@ def _parse_float(text: str) -> float:
 
 
 def loads_strict(data: bytes) -> Any:
-    """Parse JSON as RFC 8259 defines it: no NaN/Infinity, no numbers beyond float range.
+    """Parse JSON as RFC 8259 defines it: no NaN/Infinity, huge numbers or lone surrogates.
 
-    Raises `json.JSONDecodeError` for malformed input, including nesting too deep to parse.
+    Raises `json.JSONDecodeError` for malformed input, including nesting too deep to parse
+    and unpaired surrogates (RFC 8259 section 8.2).
     """
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise json.JSONDecodeError(f"body is not UTF-8: {exc.reason}", "", 0) from None
+        # Not "" as the document: webargs reads an empty document as "no body" (a 422 for
+        # missing fields instead of this 400).
+        raise json.JSONDecodeError(f"body is not UTF-8: {exc.reason}", "x", 0) from None
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_parse_float)
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_parse_float)
+        if _SURROGATE_ESCAPE.search(text):
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
     except RecursionError:
         raise json.JSONDecodeError("JSON is nested too deeply", "x", 0) from None
+    except UnicodeEncodeError:
+        raise json.JSONDecodeError("a string has an unpaired surrogate escape", "x", 0) from None
     except ValueError as exc:
         if isinstance(exc, json.JSONDecodeError):
             raise
         raise json.JSONDecodeError(str(exc), "x", 0) from None
+    return value
 
 
 class StrictJsonParser(FlaskParser):

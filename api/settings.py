@@ -34,7 +34,8 @@ class ApiSettings:
         Raises `SettingsError` naming the variable when a value is missing or invalid.
         """
         env = os.environ if environ is None else environ
-        token = env.get("ADMIN_TOKEN") or None
+        # Stripped like every other variable: the bearer token a client sends is stripped too.
+        token = env.get("ADMIN_TOKEN", "").strip() or None
         if token is not None and len(token) < 16:
             raise SettingsError("ADMIN_TOKEN must be at least 16 characters long")
         return cls(

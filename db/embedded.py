@@ -157,6 +157,7 @@ class EmbeddedPostgres:
         self.start()
 
     def destroy(self) -> None:
-        """Stop the server and delete its data directory."""
+        """Stop the server and delete its data directory and log."""
         self.stop("immediate")
         shutil.rmtree(self.datadir, ignore_errors=True)
+        self.log_path.unlink(missing_ok=True)

@@ -79,9 +79,8 @@ def db_session(session_factory: sessionmaker[Session]) -> Iterator[Session]:
 
 def make_test_app(database_url: str, **overrides: object) -> Flask:
     """An app on `database_url` with the test admin token, settings overridable."""
-    settings = ApiSettings(
-        database_url=database_url, admin_token=ADMIN_TOKEN, **overrides  # type: ignore[arg-type]
-    )
+    values: dict[str, object] = {"admin_token": ADMIN_TOKEN, **overrides}
+    settings = ApiSettings(database_url=database_url, **values)  # type: ignore[arg-type]
     app = create_app(settings)
     app.config["TESTING"] = True
     return app
@@ -92,7 +91,7 @@ def shared_app(main_db_url: str) -> Iterator[Flask]:
     """One app for the session: building the OpenAPI spec per test would dominate run time."""
     app = make_test_app(main_db_url)
     yield app
-    from api import database  # noqa: PLC0415
+    from api import database
 
     with app.app_context():
         database.engine().dispose()
@@ -101,9 +100,9 @@ def shared_app(main_db_url: str) -> Iterator[Flask]:
 @pytest.fixture
 def app(shared_app: Flask, session_factory: sessionmaker[Session]) -> Iterator[Flask]:
     """The shared app, its request sessions joined to the test's outer transaction."""
-    from api import database  # noqa: PLC0415
+    from api import database
 
-    key = database._EXT  # noqa: SLF001  (test seam: swap the session factory only)
+    key = database._EXT
     engine_, original = shared_app.extensions[key]
     shared_app.extensions[key] = (engine_, session_factory)
     yield shared_app

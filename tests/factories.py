@@ -5,6 +5,7 @@ Layered: `make_company` -> `make_task` (a row, any state) -> `created_task` (thr
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,8 +13,9 @@ from typing import Any
 
 import pytest
 from flask.testing import FlaskClient
-from sqlalchemy import insert, text
+from sqlalchemy import func, insert, select, text
 from sqlalchemy.orm import Session
+from werkzeug.test import TestResponse
 
 from api import auth
 from db import companies
@@ -85,7 +87,7 @@ def created_task(client: FlaskClient) -> CreatedTask:
 
     def create(
         company: CompanyWithKey,
-        type: str = "noop",  # noqa: A002  (mirrors the API field)
+        type: str = "noop",
         payload: dict[str, Any] | None = None,
         **body: Any,
     ) -> dict[str, Any]:
@@ -99,3 +101,78 @@ def created_task(client: FlaskClient) -> CreatedTask:
         return data
 
     return create
+
+
+def json_of(response: TestResponse) -> dict[str, Any]:
+    """The JSON object of a response; fails the test when the body is not a JSON object."""
+    data = response.get_json(silent=True)
+    assert isinstance(data, dict), (response.status_code, response.get_data(as_text=True)[:300])
+    return data
+
+
+def count_tasks(session: Session, company_id: uuid.UUID) -> int:
+    """How many task rows `company_id` has (what a failed request must leave unchanged)."""
+    stmt = select(func.count()).select_from(Task).where(Task.company_id == company_id)
+    return session.execute(stmt).scalar_one()
+
+
+@pytest.fixture
+def claimed_task(db_session: Session) -> MakeTask:
+    """`claimed_task(company_id, **columns)` -> a stored task held under a fresh lease.
+
+    As a claim leaves it: `processing`, attempt 1, `locked_at` and `started_at` now, a new
+    `lease_token` (read it from the returned row), `locked_by` "test:1".
+    """
+
+    def make(company_id: uuid.UUID, **values: Any) -> Task:
+        row: dict[str, Any] = {
+            "status": "processing",
+            "attempts": 1,
+            "lease_token": uuid.uuid4(),
+            "locked_by": "test:1",
+            "locked_at": text("now()"),
+            "started_at": text("now()"),
+            **values,
+        }
+        return insert_task(db_session, company_id, **row)
+
+    return make
+
+
+def insert_tasks(
+    session: Session,
+    company_id: uuid.UUID,
+    count: int,
+    *,
+    task_type: str = "noop",
+    payload: dict[str, Any] | None = None,
+    newest_age_seconds: float = 0.0,
+    max_attempts: int = 5,
+) -> list[uuid.UUID]:
+    """Insert `count` runnable pending tasks in one statement, then commit; ids oldest first.
+
+    They are created one second apart, the newest `newest_age_seconds` ago (database clock).
+    """
+    rows = session.execute(
+        text(
+            """
+            INSERT INTO tasks (company_id, type, payload, status, max_attempts, run_after,
+                               created_at, updated_at)
+            SELECT :company_id, :type, CAST(:payload AS jsonb), 'pending', :max_attempts, now(),
+                   now() - make_interval(secs => :age + (:count - g)),
+                   now() - make_interval(secs => :age + (:count - g))
+            FROM generate_series(1, :count) AS g
+            RETURNING id, created_at
+            """
+        ),
+        {
+            "company_id": company_id,
+            "type": task_type,
+            "payload": json.dumps(payload or {}),
+            "max_attempts": max_attempts,
+            "age": float(newest_age_seconds),
+            "count": count,
+        },
+    ).all()
+    session.commit()
+    return [row.id for row in sorted(rows, key=lambda row: row.created_at)]

@@ -20,7 +20,9 @@ from sqlalchemy.engine import make_url
 from db.embedded import EmbeddedPostgres, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-TEMPLATE_DB = "fairq_test_template"
+# Per test session, so concurrent sessions (or a developer's run beside CI's) never share one.
+TEMPLATE_DB = f"fairq_test_template_{os.getpid()}"
+EMBEDDED_PREFIX = "test-"
 
 
 def alembic_config(url: str) -> Config:
@@ -44,9 +46,7 @@ class TestServer:
 
     def url(self, database: str) -> str:
         """URL of `database` on this server."""
-        return make_url(self.base_url).set(database=database).render_as_string(
-            hide_password=False
-        )
+        return make_url(self.base_url).set(database=database).render_as_string(hide_password=False)
 
     def _admin(self, sql: str) -> None:
         with psycopg.connect(libpq(self.base_url), autocommit=True) as conn:
@@ -86,8 +86,9 @@ def test_server() -> Iterator[TestServer]:
             url = "postgresql+psycopg://" + url[len("postgresql://") :]
         yield TestServer(url, None)
         return
+    _remove_abandoned_servers()
     embedded = EmbeddedPostgres(
-        ROOT / ".pgdata" / "test",
+        ROOT / ".pgdata" / f"{EMBEDDED_PREFIX}{os.getpid()}",
         free_port(),
         # Durability is irrelevant for throwaway test data; speed is not.
         options={"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off",
@@ -97,4 +98,26 @@ def test_server() -> Iterator[TestServer]:
     try:
         yield TestServer(embedded.url("postgres"), embedded)
     finally:
-        embedded.stop()
+        embedded.destroy()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_abandoned_servers() -> None:
+    """Delete embedded test servers whose test session died without cleaning up."""
+    base = ROOT / ".pgdata"
+    if not base.is_dir():
+        return
+    for datadir in base.glob(f"{EMBEDDED_PREFIX}*"):
+        suffix = datadir.name.removeprefix(EMBEDDED_PREFIX)
+        if not datadir.is_dir() or not suffix.isdigit() or _pid_alive(int(suffix)):
+            continue
+        EmbeddedPostgres(datadir, free_port()).destroy()

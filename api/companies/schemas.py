@@ -13,7 +13,11 @@ class CompanyCreateSchema(Schema):
 
     name = fields.String(
         required=True,
-        validate=validate.Length(min=1, max=200),
+        validate=[
+            validate.Length(min=1, max=200),
+            # PostgreSQL text cannot hold NUL: reject it here, not as a driver error (a 5xx).
+            validate.Regexp(r"\A[^\x00]*\Z", error="must not contain the NUL character"),
+        ],
         metadata={"description": "Display name, 1..200 characters."},
     )
 

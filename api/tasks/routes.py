@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import uuid
 from typing import Any
 
-from flask import current_app, request, url_for
+from flask import current_app, url_for
 from flask.views import MethodView
 
 from api import auth, database
@@ -29,14 +30,25 @@ blp = Blueprint(
 )
 
 
-def request_hash() -> str:
-    """SHA-256 of the canonical JSON request body (sorted keys, compact, UTF-8).
+def request_hash(body: dict[str, Any]) -> str:
+    """SHA-256 of the validated create body in canonical JSON (sorted keys, compact, UTF-8).
 
-    Detects reuse of an Idempotency-Key with a different body: key order and whitespace do
-    not count as a difference (IETF Idempotency-Key draft, section 2.2 "fingerprint").
+    The request fingerprint of the IETF Idempotency-Key draft (section 2.2): computed on the
+    loaded body, defaults applied, so key order, whitespace, an omitted default (`payload`,
+    `max_attempts`) or another spelling of the same `run_at` instant are not a different body.
     """
-    body = json.loads(request.get_data(cache=True) or b"{}")
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    run_at = body.get("run_at")
+    canonical = json.dumps(
+        {
+            "type": body["type"],
+            "payload": body["payload"],
+            "max_attempts": body["max_attempts"],
+            "run_at": run_at.astimezone(dt.UTC).isoformat() if run_at is not None else None,
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -48,15 +60,21 @@ class Tasks(MethodView):
     @blp.arguments(IdempotencyHeaderSchema, location="headers")
     @blp.arguments(TaskCreateSchema)
     @blp.response(201, TaskSchema, headers={"Location": {"schema": {"type": "string"}}})
-    @blp.alt_response(200, schema=TaskSchema, description="Replay of an earlier create with the same Idempotency-Key and body (header Idempotent-Replayed: true).")
+    @blp.alt_response(
+        200,
+        schema=TaskSchema,
+        description=(
+            "Replay: same Idempotency-Key and body as an earlier create "
+            "(header Idempotent-Replayed: true)."
+        ),
+    )
     @blp.alt_response(400, description="Malformed JSON.")
     @blp.alt_response(401, description="Missing or invalid token.")
+    @blp.alt_response(403, description="The admin token cannot act for a company.")
     @blp.alt_response(404, description="No such company, or not yours.")
     @blp.alt_response(413, description="Body larger than 1 MiB.")
     @blp.alt_response(415, description="Body is not JSON.")
-    def post(
-        self, headers: dict[str, Any], body: dict[str, Any], company_id: uuid.UUID
-    ) -> Any:
+    def post(self, headers: dict[str, Any], body: dict[str, Any], company_id: uuid.UUID) -> Any:
         """Create a task (optionally idempotent with an Idempotency-Key header)."""
         key = headers.get("idempotency_key")
         session = database.session()
@@ -68,7 +86,7 @@ class Tasks(MethodView):
             run_at=body.get("run_at"),
             max_attempts=body["max_attempts"],
             idempotency_key=key,
-            request_hash=request_hash() if key is not None else None,
+            request_hash=request_hash(body) if key is not None else None,
             notify_channel=current_app.config["FAIRQ_SETTINGS"].notify_channel,
         )
         session.commit()
@@ -81,6 +99,7 @@ class Tasks(MethodView):
     @blp.arguments(TaskListQuerySchema, location="query")
     @blp.response(200, TaskPageSchema)
     @blp.alt_response(401, description="Missing or invalid token.")
+    @blp.alt_response(403, description="The admin token cannot act for a company.")
     @blp.alt_response(404, description="No such company, or not yours.")
     def get(self, query: dict[str, Any], company_id: uuid.UUID) -> dict[str, Any]:
         """List the company's tasks, newest first, with optional status and type filters."""
@@ -100,6 +119,7 @@ class TaskById(MethodView):
     @auth.company_required()
     @blp.response(200, TaskSchema)
     @blp.alt_response(401, description="Missing or invalid token.")
+    @blp.alt_response(403, description="The admin token cannot act for a company.")
     @blp.alt_response(404, description="No such task, or not yours.")
     def get(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Any:
         """Read one task."""
@@ -113,6 +133,7 @@ class TaskCancel(MethodView):
     @auth.company_required()
     @blp.response(200, TaskSchema)
     @blp.alt_response(401, description="Missing or invalid token.")
+    @blp.alt_response(403, description="The admin token cannot act for a company.")
     @blp.alt_response(404, description="No such task, or not yours.")
     @blp.alt_response(409, description="The task is not pending.")
     def post(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Any:
@@ -130,6 +151,7 @@ class TaskRetry(MethodView):
     @auth.company_required()
     @blp.response(200, TaskSchema)
     @blp.alt_response(401, description="Missing or invalid token.")
+    @blp.alt_response(403, description="The admin token cannot act for a company.")
     @blp.alt_response(404, description="No such task, or not yours.")
     @blp.alt_response(409, description="The task is not failed or cancelled.")
     def post(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Any:

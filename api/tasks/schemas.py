@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from typing import Any
 
@@ -21,6 +22,10 @@ from worker import tasktypes
 MAX_PAYLOAD_BYTES = 64 * 1024
 MAX_PAYLOAD_DEPTH = 32
 IDEMPOTENCY_KEY_MAX = 255
+# psycopg reads timestamptz back as a Python datetime (years 1..9999) in the session's time
+# zone: a run_at near either end is stored, then fails to load (a 5xx). Earlier means "now".
+RUN_AT_MIN = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+RUN_AT_MAX = dt.datetime(9999, 1, 1, tzinfo=dt.UTC)
 
 
 def check_payload_limits(payload: Any) -> None:
@@ -77,7 +82,12 @@ class TaskCreateSchema(Schema):
         },
     )
     run_at = fields.AwareDateTime(
-        metadata={"description": "Earliest start, ISO 8601 with an offset. Default: now."}
+        validate=validate.Range(min=RUN_AT_MIN, max=RUN_AT_MAX, max_inclusive=False),
+        metadata={
+            "description": (
+                "Earliest start, ISO 8601 with an offset, from 1970 to before 9999. Default: now."
+            )
+        },
     )
     max_attempts = fields.Integer(
         strict=True,
@@ -131,9 +141,7 @@ class TaskSchema(Schema):
     company_id = fields.UUID(dump_only=True)
     type = fields.String(dump_only=True)
     payload = fields.Dict(dump_only=True)
-    status = fields.String(
-        dump_only=True, metadata={"enum": [s.value for s in TaskStatus]}
-    )
+    status = fields.String(dump_only=True, metadata={"enum": [s.value for s in TaskStatus]})
     attempts = fields.Integer(dump_only=True)
     max_attempts = fields.Integer(dump_only=True)
     run_after = fields.AwareDateTime(dump_only=True)
@@ -149,7 +157,13 @@ class TaskListQuerySchema(Schema):
     """Query string of GET /companies/{companyId}/tasks."""
 
     status = fields.String(validate=validate.OneOf([s.value for s in TaskStatus]))
-    type = fields.String(validate=validate.Length(min=1, max=100))
+    type = fields.String(
+        validate=[
+            validate.Length(min=1, max=100),
+            # PostgreSQL text cannot hold NUL: reject it here, not as a driver error (a 5xx).
+            validate.Regexp(r"\A[^\x00]*\Z", error="must not contain the NUL character"),
+        ]
+    )
     limit = fields.Integer(load_default=20, validate=validate.Range(min=1, max=100))
     offset = fields.Integer(load_default=0, validate=validate.Range(min=0, max=100_000))
 

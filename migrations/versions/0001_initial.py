@@ -51,14 +51,18 @@ def upgrade() -> None:
         sa.Column("updated_at", TSTZ, server_default=sa.text("now()"), nullable=False),
         sa.Column("started_at", TSTZ, nullable=True),
         sa.Column("finished_at", TSTZ, nullable=True),
+        # op.f(): these are final names; the "ck" naming convention of the target metadata
+        # (applied by op.create_table) would otherwise prefix them again (ck_tasks_ck_tasks_...).
         sa.CheckConstraint(
             "status IN ('pending', 'processing', 'completed', 'failed', 'cancelled')",
-            name="ck_tasks_status",
+            name=op.f("ck_tasks_status"),
         ),
-        sa.CheckConstraint("max_attempts BETWEEN 1 AND 50", name="ck_tasks_max_attempts_range"),
-        sa.CheckConstraint("attempts >= 0", name="ck_tasks_attempts_non_negative"),
         sa.CheckConstraint(
-            "jsonb_typeof(payload) = 'object'", name="ck_tasks_payload_is_object"
+            "max_attempts BETWEEN 1 AND 50", name=op.f("ck_tasks_max_attempts_range")
+        ),
+        sa.CheckConstraint("attempts >= 0", name=op.f("ck_tasks_attempts_non_negative")),
+        sa.CheckConstraint(
+            "jsonb_typeof(payload) = 'object'", name=op.f("ck_tasks_payload_is_object")
         ),
         sa.ForeignKeyConstraint(
             ["company_id"],

@@ -1,0 +1,336 @@
+"""The task endpoints: create, read, list, cancel and retry (DESIGN §3)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import urllib.parse
+import uuid
+from typing import Any
+
+import pytest
+from flask.testing import FlaskClient
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from tests.factories import (
+    CompanyWithKey,
+    CreatedTask,
+    MakeCompany,
+    MakeTask,
+    count_tasks,
+    json_of,
+)
+
+TASK_FIELDS = {
+    "id",
+    "company_id",
+    "type",
+    "payload",
+    "status",
+    "attempts",
+    "max_attempts",
+    "run_after",
+    "idempotency_key",
+    "last_error",
+    "created_at",
+    "updated_at",
+    "started_at",
+    "finished_at",
+}
+TIMESTAMP_FIELDS = ("run_after", "created_at", "updated_at", "started_at", "finished_at")
+# ISO 8601 with an explicit offset (or Z): what a client in any time zone can parse unambiguously.
+ISO_WITH_OFFSET = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?([+-]\d{2}:\d{2}|Z)$")
+
+
+@pytest.fixture
+def company(make_company: MakeCompany) -> CompanyWithKey:
+    """The company whose tasks the test works with."""
+    return make_company()
+
+
+def tasks_url(company: CompanyWithKey, suffix: str = "") -> str:
+    """URL of the company's task collection, plus `suffix`."""
+    return f"/companies/{company.id}/tasks{suffix}"
+
+
+def list_tasks(client: FlaskClient, company: CompanyWithKey, query: str = "") -> dict[str, Any]:
+    """GET the company's task list with `query`; assert 200 and return the page."""
+    response = client.get(tasks_url(company, f"?{query}"), headers=company.headers)
+    assert response.status_code == 200, response.get_data(as_text=True)
+    return json_of(response)
+
+
+def ids_of(page: dict[str, Any]) -> list[str]:
+    """Task ids of a page, in order."""
+    return [item["id"] for item in page["items"]]
+
+
+def test_create_returns_201_with_a_location_header_pointing_to_the_get(
+    client: FlaskClient, company: CompanyWithKey
+) -> None:
+    response = client.post(
+        tasks_url(company),
+        json={"type": "sleep", "payload": {"seconds": 1.5}, "max_attempts": 3},
+        headers=company.headers,
+    )
+
+    assert response.status_code == 201
+    task = json_of(response)
+    location = urllib.parse.urlsplit(response.headers["Location"]).path
+    assert location == tasks_url(company, f"/{task['id']}")
+    fetched = client.get(location, headers=company.headers)
+    assert fetched.status_code == 200
+    assert json_of(fetched) == task
+
+
+def test_created_task_has_every_field_of_the_design_with_defaults(
+    client: FlaskClient, company: CompanyWithKey, created_task: CreatedTask
+) -> None:
+    task = created_task(company, "send_email", {"to": "a@example.com", "subject": "hi"})
+
+    assert set(task) == TASK_FIELDS
+    uuid.UUID(task["id"])
+    assert task["company_id"] == str(company.id)
+    assert task["type"] == "send_email"
+    # Loaded defaults of the payload schema are not stored: the payload is what was sent.
+    assert task["payload"] == {"to": "a@example.com", "subject": "hi"}
+    assert task["status"] == "pending"
+    assert task["attempts"] == 0
+    assert task["max_attempts"] == 5
+    assert task["idempotency_key"] is None
+    assert task["last_error"] is None
+    assert task["started_at"] is None
+    assert task["finished_at"] is None
+    # Without run_at the task is runnable at once: run_after is the creation time.
+    assert task["run_after"] == task["created_at"]
+
+
+def test_timestamps_are_iso_8601_with_an_offset(
+    client: FlaskClient, company: CompanyWithKey, make_task: MakeTask
+) -> None:
+    row = make_task(
+        company.id,
+        status="failed",
+        started_at=text("now()"),
+        finished_at=text("now()"),
+        created_at=text("now() - interval '1 day'"),
+    )
+
+    task = json_of(client.get(tasks_url(company, f"/{row.id}"), headers=company.headers))
+
+    for field in TIMESTAMP_FIELDS:
+        value = task[field]
+        assert ISO_WITH_OFFSET.match(value), (field, value)
+        assert dt.datetime.fromisoformat(value).tzinfo is not None
+
+
+def test_get_unknown_task_is_404(client: FlaskClient, company: CompanyWithKey) -> None:
+    response = client.get(tasks_url(company, f"/{uuid.uuid4()}"), headers=company.headers)
+
+    assert response.status_code == 404
+    assert json_of(response)["message"] == "task not found"
+
+
+def test_admin_token_cannot_act_for_a_company_on_task_endpoints(
+    client: FlaskClient,
+    company: CompanyWithKey,
+    admin_headers: dict[str, str],
+    db_session: Session,
+) -> None:
+    response = client.post(tasks_url(company), json={"type": "noop"}, headers=admin_headers)
+
+    assert response.status_code == 403
+    assert json_of(response)["code"] == 403
+    assert count_tasks(db_session, company.id) == 0
+
+
+def test_list_is_newest_first(
+    client: FlaskClient, company: CompanyWithKey, make_task: MakeTask
+) -> None:
+    old = make_task(company.id, created_at=text("now() - interval '2 hours'"))
+    new = make_task(company.id, created_at=text("now()"))
+    middle = make_task(company.id, created_at=text("now() - interval '1 hour'"))
+
+    page = list_tasks(client, company)
+
+    assert ids_of(page) == [str(new.id), str(middle.id), str(old.id)]
+
+
+def test_list_breaks_created_at_ties_by_id_descending(
+    client: FlaskClient, company: CompanyWithKey, make_task: MakeTask
+) -> None:
+    # One transaction: now() is the same for every row, so only the id orders them.
+    rows = [make_task(company.id) for _ in range(5)]
+    assert len({row.created_at for row in rows}) == 1
+
+    page = list_tasks(client, company)
+
+    assert ids_of(page) == sorted((str(row.id) for row in rows), reverse=True)
+
+
+def test_list_filters_by_status_and_type(
+    client: FlaskClient, company: CompanyWithKey, make_task: MakeTask
+) -> None:
+    pending_noop = make_task(company.id)
+    failed_noop = make_task(company.id, status="failed", finished_at=text("now()"))
+    pending_sleep = make_task(company.id, type="sleep", payload={"seconds": 1})
+
+    assert ids_of(list_tasks(client, company, "status=failed")) == [str(failed_noop.id)]
+    assert set(ids_of(list_tasks(client, company, "type=noop"))) == {
+        str(pending_noop.id),
+        str(failed_noop.id),
+    }
+    both = list_tasks(client, company, "status=pending&type=sleep")
+    assert ids_of(both) == [str(pending_sleep.id)]
+    assert list_tasks(client, company, "status=completed")["items"] == []
+
+
+def test_list_pages_with_limit_offset_and_has_more(
+    client: FlaskClient, company: CompanyWithKey, make_task: MakeTask
+) -> None:
+    rows = [
+        make_task(company.id, created_at=text(f"now() - interval '{minutes} minutes'"))
+        for minutes in range(5)
+    ]
+    newest_first = [str(row.id) for row in rows]
+
+    first = list_tasks(client, company, "limit=2")
+    second = list_tasks(client, company, "limit=2&offset=2")
+    last = list_tasks(client, company, "limit=2&offset=4")
+    beyond = list_tasks(client, company, "limit=2&offset=5")
+
+    assert (first["limit"], first["offset"], first["has_more"]) == (2, 0, True)
+    assert (second["limit"], second["offset"], second["has_more"]) == (2, 2, True)
+    assert (last["limit"], last["offset"], last["has_more"]) == (2, 4, False)
+    assert (beyond["items"], beyond["has_more"]) == ([], False)
+    assert ids_of(first) + ids_of(second) + ids_of(last) == newest_first
+
+
+def test_list_defaults_to_20_items_from_offset_0(
+    client: FlaskClient, company: CompanyWithKey, make_task: MakeTask
+) -> None:
+    for _ in range(21):
+        make_task(company.id)
+
+    page = list_tasks(client, company)
+
+    assert (len(page["items"]), page["limit"], page["offset"], page["has_more"]) == (
+        20,
+        20,
+        0,
+        True,
+    )
+    assert set(page["items"][0]) == TASK_FIELDS
+
+
+def test_cancel_pending_task_returns_it_cancelled_with_finished_at(
+    client: FlaskClient, company: CompanyWithKey, created_task: CreatedTask
+) -> None:
+    task = created_task(company)
+
+    response = client.post(tasks_url(company, f"/{task['id']}/cancel"), headers=company.headers)
+
+    assert response.status_code == 200
+    cancelled = json_of(response)
+    assert cancelled["id"] == task["id"]
+    assert cancelled["status"] == "cancelled"
+    assert cancelled["finished_at"] is not None
+    fetched = json_of(client.get(tasks_url(company, f"/{task['id']}"), headers=company.headers))
+    assert fetched == cancelled
+
+
+def test_cancel_twice_is_409_with_a_message(
+    client: FlaskClient, company: CompanyWithKey, created_task: CreatedTask
+) -> None:
+    task = created_task(company)
+    url = tasks_url(company, f"/{task['id']}/cancel")
+    assert client.post(url, headers=company.headers).status_code == 200
+
+    response = client.post(url, headers=company.headers)
+
+    assert response.status_code == 409
+    body = json_of(response)
+    assert body["code"] == 409
+    assert body["status"] == "Conflict"
+    assert "cancelled" in body["message"]
+
+
+@pytest.mark.parametrize("status", ["processing", "completed", "failed"])
+def test_cancel_is_409_unless_pending(
+    client: FlaskClient, company: CompanyWithKey, make_task: MakeTask, status: str
+) -> None:
+    row = make_task(company.id, status=status)
+
+    response = client.post(tasks_url(company, f"/{row.id}/cancel"), headers=company.headers)
+
+    assert response.status_code == 409
+    assert status in json_of(response)["message"]
+    fetched = json_of(client.get(tasks_url(company, f"/{row.id}"), headers=company.headers))
+    assert fetched["status"] == status
+
+
+@pytest.mark.parametrize("status", ["cancelled", "failed"])
+def test_retry_returns_the_task_pending_with_attempts_reset(
+    client: FlaskClient, company: CompanyWithKey, make_task: MakeTask, status: str
+) -> None:
+    row = make_task(
+        company.id,
+        status=status,
+        attempts=5,
+        max_attempts=5,
+        last_error="boom",
+        run_after=text("now() + interval '1 day'"),
+        finished_at=text("now()"),
+    )
+
+    response = client.post(tasks_url(company, f"/{row.id}/retry"), headers=company.headers)
+
+    assert response.status_code == 200
+    task = json_of(response)
+    assert task["status"] == "pending"
+    assert task["attempts"] == 0
+    assert task["finished_at"] is None
+    # Runnable now again, not at its old run_after.
+    assert dt.datetime.fromisoformat(task["run_after"]) <= dt.datetime.fromisoformat(
+        task["updated_at"]
+    )
+
+
+def test_retry_of_a_cancelled_task_created_through_the_api(
+    client: FlaskClient, company: CompanyWithKey, created_task: CreatedTask
+) -> None:
+    task = created_task(company)
+    client.post(tasks_url(company, f"/{task['id']}/cancel"), headers=company.headers)
+
+    response = client.post(tasks_url(company, f"/{task['id']}/retry"), headers=company.headers)
+
+    assert response.status_code == 200
+    assert json_of(response)["status"] == "pending"
+    assert json_of(response)["attempts"] == 0
+
+
+@pytest.mark.parametrize("status", ["pending", "processing", "completed"])
+def test_retry_is_409_unless_failed_or_cancelled(
+    client: FlaskClient, company: CompanyWithKey, make_task: MakeTask, status: str
+) -> None:
+    row = make_task(company.id, status=status, attempts=1)
+
+    response = client.post(tasks_url(company, f"/{row.id}/retry"), headers=company.headers)
+
+    assert response.status_code == 409
+    body = json_of(response)
+    assert body["code"] == 409
+    assert status in body["message"]
+    fetched = json_of(client.get(tasks_url(company, f"/{row.id}"), headers=company.headers))
+    assert (fetched["status"], fetched["attempts"]) == (status, 1)
+
+
+@pytest.mark.parametrize("action", ["cancel", "retry"])
+def test_cancel_or_retry_of_an_unknown_task_is_404(
+    client: FlaskClient, company: CompanyWithKey, action: str
+) -> None:
+    response = client.post(tasks_url(company, f"/{uuid.uuid4()}/{action}"), headers=company.headers)
+
+    assert response.status_code == 404
+    assert json_of(response)["code"] == 404

@@ -1,0 +1,150 @@
+"""Settings are read once from the environment and refuse bad values by name (DESIGN §8)."""
+
+from __future__ import annotations
+
+import pytest
+
+from api.settings import ApiSettings
+from worker.settings import SettingsError, WorkerSettings
+
+URL = "postgresql+psycopg://fairq@db.example/fairq"
+TOKEN = "a-sufficiently-long-admin-token"
+
+
+def test_api_settings_need_database_url() -> None:
+    with pytest.raises(SettingsError, match="DATABASE_URL is not set"):
+        ApiSettings.from_env({"ADMIN_TOKEN": TOKEN})
+
+
+@pytest.mark.parametrize("url", ["mysql://db/fairq", "sqlite:///fairq.db", "   "])
+def test_api_settings_reject_a_database_url_that_is_not_postgresql(url: str) -> None:
+    with pytest.raises(SettingsError, match="DATABASE_URL"):
+        ApiSettings.from_env({"DATABASE_URL": url})
+
+
+@pytest.mark.parametrize("scheme", ["postgresql", "postgres"])
+def test_a_bare_postgresql_url_is_upgraded_to_psycopg(scheme: str) -> None:
+    settings = ApiSettings.from_env({"DATABASE_URL": f"{scheme}://fairq@db.example/fairq"})
+
+    assert settings.database_url == URL
+
+
+def test_api_settings_from_a_valid_environment() -> None:
+    settings = ApiSettings.from_env(
+        {"DATABASE_URL": URL, "ADMIN_TOKEN": TOKEN, "STALE_AFTER_SECONDS": "60"}
+    )
+
+    assert settings.database_url == URL
+    assert settings.admin_token == TOKEN
+    assert settings.stale_after_seconds == 60.0
+
+
+def test_admin_token_shorter_than_16_characters_is_rejected() -> None:
+    with pytest.raises(SettingsError, match="ADMIN_TOKEN"):
+        ApiSettings.from_env({"DATABASE_URL": URL, "ADMIN_TOKEN": "short-token"})
+
+
+@pytest.mark.parametrize("value", [None, "", "   "], ids=["unset", "empty", "blank"])
+def test_unset_or_blank_admin_token_disables_admin_endpoints(value: str | None) -> None:
+    env = {"DATABASE_URL": URL} if value is None else {"DATABASE_URL": URL, "ADMIN_TOKEN": value}
+
+    assert ApiSettings.from_env(env).admin_token is None
+
+
+def test_admin_token_is_stripped_like_the_bearer_token_clients_send() -> None:
+    settings = ApiSettings.from_env({"DATABASE_URL": URL, "ADMIN_TOKEN": f"  {TOKEN}\n"})
+
+    assert settings.admin_token == TOKEN
+
+
+@pytest.mark.parametrize("value", ["0", "nan", "soon"])
+def test_api_settings_reject_a_bad_stale_after(value: str) -> None:
+    with pytest.raises(SettingsError, match="STALE_AFTER_SECONDS"):
+        ApiSettings.from_env({"DATABASE_URL": URL, "STALE_AFTER_SECONDS": value})
+
+
+def test_worker_settings_need_database_url() -> None:
+    with pytest.raises(SettingsError, match="DATABASE_URL is not set"):
+        WorkerSettings.from_env({})
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("WORKER_CONCURRENCY", "0"),
+        ("WORKER_CONCURRENCY", "two"),
+        ("WORKER_CONCURRENCY", "1.5"),
+        ("WORKER_BATCH_SIZE", "0"),
+        ("WORKER_PER_COMPANY_CAP", "-1"),
+        ("WORKER_POLL_INTERVAL", "nan"),
+        ("WORKER_POLL_INTERVAL", "inf"),
+        ("WORKER_POLL_INTERVAL", "0"),
+        ("STALE_AFTER_SECONDS", "0"),
+        ("SHUTDOWN_TIMEOUT_SECONDS", "-1"),
+        ("WORKER_METRICS_PORT", "65536"),
+        ("TASK_RETENTION_DAYS", "nan"),
+        ("WEBHOOK_ALLOW_PRIVATE", "maybe"),
+        ("WEBHOOK_TIMEOUT_SECONDS", "0"),
+        ("LOG_LEVEL", "LOUD"),
+        ("DATABASE_URL", "mysql://db/fairq"),
+    ],
+)
+def test_worker_settings_reject_a_bad_value_naming_the_variable(name: str, value: str) -> None:
+    with pytest.raises(SettingsError, match=name) as raised:
+        WorkerSettings.from_env({"DATABASE_URL": URL, name: value})
+
+    assert str(raised.value).startswith(name)
+
+
+def test_worker_settings_defaults() -> None:
+    settings = WorkerSettings.from_env({"DATABASE_URL": URL})
+
+    assert settings.database_url == URL
+    assert settings.concurrency == 2
+    assert settings.batch_size == 100
+    assert settings.per_company_cap == 10
+    assert settings.poll_interval == 1.0
+    assert settings.stale_after == 300.0
+    assert settings.effective_heartbeat_interval == 60.0
+    assert settings.shutdown_timeout == 30.0
+    assert settings.metrics_port == 9100
+    assert settings.retention_days == 7.0
+    assert settings.handler_config.webhook_allow_private is False
+
+
+def test_worker_settings_read_every_variable() -> None:
+    settings = WorkerSettings.from_env(
+        {
+            "DATABASE_URL": URL,
+            "WORKER_CONCURRENCY": "4",
+            "WORKER_BATCH_SIZE": "50",
+            "WORKER_PER_COMPANY_CAP": "5",
+            "WORKER_POLL_INTERVAL": "0.25",
+            "STALE_AFTER_SECONDS": "100",
+            "SHUTDOWN_TIMEOUT_SECONDS": "5",
+            "WORKER_METRICS_PORT": "9200",
+            "TASK_RETENTION_DAYS": "1.5",
+            "LOG_LEVEL": "debug",
+            "SMTP_URL": "smtp://mail:1025",
+            "WEBHOOK_ALLOW_PRIVATE": "true",
+        }
+    )
+
+    assert (settings.concurrency, settings.batch_size, settings.per_company_cap) == (4, 50, 5)
+    assert (settings.poll_interval, settings.stale_after) == (0.25, 100.0)
+    assert settings.effective_heartbeat_interval == 20.0
+    assert (settings.shutdown_timeout, settings.metrics_port) == (5.0, 9200)
+    assert settings.retention_days == 1.5
+    assert settings.log_level == "DEBUG"
+    assert settings.handler_config.smtp_url == "smtp://mail:1025"
+    assert settings.handler_config.webhook_allow_private is True
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("true", True), ("YES", True), ("1", True), ("off", False), ("False", False), ("", False)],
+)
+def test_boolean_variables_accept_the_usual_spellings(value: str, expected: bool) -> None:
+    settings = WorkerSettings.from_env({"DATABASE_URL": URL, "WEBHOOK_ALLOW_PRIVATE": value})
+
+    assert settings.handler_config.webhook_allow_private is expected
