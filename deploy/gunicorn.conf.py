@@ -6,6 +6,12 @@ Every value can be overridden from the environment (GUNICORN_BIND, GUNICORN_WORK
 from __future__ import annotations
 
 import os
+import tempfile
+
+# Multiprocess metrics need a directory shared by every gunicorn worker, set before any of
+# them imports prometheus_client (STACK.md); without one, /metrics would show whichever
+# worker answered. The entrypoint or the operator may choose it; else a fresh one per run.
+os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="fairq-api-metrics-"))
 
 bind = os.environ.get("GUNICORN_BIND", "0.0.0.0:8000")
 workers = int(os.environ.get("GUNICORN_WORKERS", "2"))
