@@ -20,6 +20,7 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     from api.companies.routes import blp as companies_blp  # noqa: PLC0415
     from api.system.routes import blp as system_blp  # noqa: PLC0415
     from api.tasks.routes import blp as tasks_blp  # noqa: PLC0415
+    from api.workers.routes import blp as workers_blp  # noqa: PLC0415
 
     settings = settings or ApiSettings.from_env()
     app = Flask("fairq")
@@ -43,7 +44,7 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     database.init_app(app, settings.database_url)
     api = errors.FairqApi(app)
     errors.register(app)
-    for blp in (system_blp, companies_blp, tasks_blp):
+    for blp in (system_blp, companies_blp, tasks_blp, workers_blp):
         api.register_blueprint(blp)
     _serve_swagger_assets(app)
     metrics.init_app(

@@ -41,3 +41,12 @@ def session() -> Session:
         g.db_session = pair[1]()
     current: Session = g.db_session
     return current
+
+
+def session_factory() -> sessionmaker[Session]:
+    """The current app's session factory, for work that needs sessions of its own.
+
+    A processing pass (`POST /workers/process`) opens one per thread; views use `session()`.
+    """
+    pair: tuple[Engine, sessionmaker[Session]] = current_app.extensions[_EXT]
+    return pair[1]

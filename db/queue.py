@@ -9,9 +9,10 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
-from sqlalchemy import func, select, update
+from sqlalchemy import CursorResult, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
@@ -27,7 +28,7 @@ def create_task(
     session: Session,
     *,
     company_id: uuid.UUID,
-    type: str,  # noqa: A002  (the column's name)
+    type: str,
     payload: dict[str, Any],
     run_at: dt.datetime | None = None,
     max_attempts: int = 5,
@@ -94,7 +95,7 @@ def list_tasks(
     company_id: uuid.UUID,
     *,
     status: str | None = None,
-    type: str | None = None,  # noqa: A002  (the column's name)
+    type: str | None = None,
     limit: int = 20,
     offset: int = 0,
 ) -> tuple[Sequence[Task], bool]:
@@ -116,6 +117,7 @@ def _transition(
     session: Session,
     company_id: uuid.UUID,
     task_id: uuid.UUID,
+    *,
     from_statuses: Sequence[TaskStatus],
     values: dict[str, Any],
     action: str,
@@ -149,9 +151,9 @@ def cancel_task(session: Session, company_id: uuid.UUID, task_id: uuid.UUID) -> 
         session,
         company_id,
         task_id,
-        (TaskStatus.PENDING,),
-        {"status": TaskStatus.CANCELLED.value, "finished_at": func.now()},
-        "cancel",
+        from_statuses=(TaskStatus.PENDING,),
+        values={"status": TaskStatus.CANCELLED.value, "finished_at": func.now()},
+        action="cancel",
     )
 
 
@@ -164,8 +166,8 @@ def retry_task(session: Session, company_id: uuid.UUID, task_id: uuid.UUID) -> T
         session,
         company_id,
         task_id,
-        (TaskStatus.FAILED, TaskStatus.CANCELLED),
-        {
+        from_statuses=(TaskStatus.FAILED, TaskStatus.CANCELLED),
+        values={
             "status": TaskStatus.PENDING.value,
             "attempts": 0,
             "run_after": func.now(),
@@ -174,5 +176,368 @@ def retry_task(session: Session, company_id: uuid.UUID, task_id: uuid.UUID) -> T
             "locked_by": None,
             "locked_at": None,
         },
-        "retry",
+        action="retry",
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker-side statements: claim, poison-pill sweep, heartbeat, fenced finalization
+# ---------------------------------------------------------------------------------------------
+
+# Key of the transaction-scoped advisory lock that serializes claimers ("fairqcl" in ASCII).
+CLAIM_LOCK_KEY = 0x66_61_69_72_71_63_6C
+
+# `last_error` is for humans; a handler's error can be arbitrarily long.
+MAX_ERROR_CHARS = 2000
+
+
+class Lease(NamedTuple):
+    """A task a worker holds: its id and the fencing token it was claimed with."""
+
+    task_id: uuid.UUID
+    token: uuid.UUID
+
+
+@dataclass(frozen=True)
+class ClaimedTask:
+    """A row the claim moved to `processing`, as the processing pass needs it.
+
+    `attempts` already counts this attempt (1 on the first run).
+    """
+
+    id: uuid.UUID
+    company_id: uuid.UUID
+    type: str
+    payload: dict[str, Any]
+    attempts: int
+    max_attempts: int
+    lease_token: uuid.UUID
+    created_at: dt.datetime
+
+    @property
+    def lease(self) -> Lease:
+        """The `(id, token)` pair every fenced statement needs."""
+        return Lease(self.id, self.lease_token)
+
+
+_SERIALIZE_CLAIMERS = text(
+    # pg_advisory_xact_lock: claimers queue here, one at a time, until the holder commits. Two
+    # concurrent claimers compute the same candidates, so without it most of their batches
+    # come back short (SKIP LOCKED skips what the other took; DESIGN §4 claim evidence).
+    # Taken in its own statement so the claim's snapshot is taken after the previous claimer
+    # committed. set_config(..., true) is SET LOCAL: with many tenants the claim's cost
+    # estimate crosses jit_above_cost, and compiling costs more than the claim itself.
+    "SELECT pg_advisory_xact_lock(:key), set_config('jit', 'off', true)"
+)
+
+_CLAIM = text(
+    """
+WITH candidates AS (
+    -- Driven by the companies table, not SELECT DISTINCT company_id over tasks: that costs
+    -- a scan of every live row; this costs one index probe per company.
+    SELECT k.id, k.created_at, k.rank
+    FROM companies c
+    CROSS JOIN LATERAL (
+        -- Per-company top-K: an ordered scan of ix_tasks_claimable (company_id, created_at)
+        -- that LIMIT stops after per_company_cap eligible rows, so a company costs about
+        -- that many index entries however large its backlog. No Sort: rank comes from the
+        -- scan order.
+        SELECT t.id, t.created_at, row_number() OVER (ORDER BY t.created_at) AS rank
+        FROM tasks t
+        WHERE t.company_id = c.id
+          -- Each branch names its status, so the OR implies the partial index predicate
+          -- (status IN ('pending', 'processing')). Not spelled out as well: the planner
+          -- would count the status selectivity twice, expect about one row per company
+          -- and, with much finished history, pick a bitmap scan plus sort instead.
+          AND (
+            -- Runnable pending work (run_after holds back backoff and scheduled tasks).
+            (t.status = 'pending' AND t.run_after <= now())
+            -- Or a lease whose holder stopped heartbeating (crash); attempts < max_attempts
+            -- leaves poison pills to fail_lost_tasks instead of running them again.
+            OR (t.status = 'processing'
+                AND t.locked_at < now() - make_interval(secs => CAST(:stale_after AS float8))
+                AND t.attempts < t.max_attempts)
+          )
+        ORDER BY t.created_at
+        LIMIT :per_company_cap
+    ) k
+),
+picked AS (
+    -- Fairness (DESIGN §1.3): every company's oldest before any company's later ones.
+    SELECT id, rank FROM candidates ORDER BY rank, created_at, id LIMIT :batch_size
+),
+locked AS (
+    SELECT t.id, p.rank
+    FROM tasks t
+    JOIN picked p ON p.id = t.id
+    -- The full eligibility predicate again, on the row being locked: if another transaction
+    -- changed the row after our snapshot (a claimer took it, its holder heartbeated, the API
+    -- cancelled it), READ COMMITTED re-checks these quals on the newest version
+    -- (EvalPlanQual) and drops the row instead of claiming it twice.
+    WHERE (t.status = 'pending' AND t.run_after <= now())
+       OR (t.status = 'processing'
+           AND t.locked_at < now() - make_interval(secs => CAST(:stale_after AS float8))
+           AND t.attempts < t.max_attempts)
+    -- OF t: lock task rows only. SKIP LOCKED: a row another transaction holds is not worth
+    -- waiting for; it is that transaction's to claim or finalize.
+    FOR UPDATE OF t SKIP LOCKED
+),
+claimed AS (
+    UPDATE tasks t
+    SET status = 'processing',
+        attempts = t.attempts + 1,            -- crashes count too (poison pills)
+        lease_token = gen_random_uuid(),      -- the fencing token of this attempt
+        locked_by = :worker_id,
+        locked_at = now(),                    -- lease start; refreshed by heartbeat
+        started_at = coalesce(t.started_at, now()),
+        updated_at = now()
+    FROM locked l
+    WHERE t.id = l.id
+    RETURNING t.id, t.company_id, t.type, t.payload, t.attempts, t.max_attempts,
+              t.lease_token, t.created_at, l.rank
+)
+-- UPDATE ... RETURNING has no order; hand the batch out in fairness order.
+SELECT id, company_id, type, payload, attempts, max_attempts, lease_token, created_at
+FROM claimed
+ORDER BY rank, created_at, id
+"""
+)
+
+
+def claim(
+    session: Session,
+    *,
+    worker_id: str,
+    batch_size: int,
+    per_company_cap: int,
+    stale_after: float,
+) -> list[ClaimedTask]:
+    """Claim up to `batch_size` eligible tasks fairly; return them in claim order.
+
+    DESIGN §4 Claim: at most `per_company_cap` per company, ordered by (per-company rank,
+    created_at); eligible is `pending` with `run_after <= now()`, or `processing` whose lease
+    is older than `stale_after` seconds and that has attempts left. Each claimed row gets a
+    new `lease_token` and counts an attempt. Run it under READ COMMITTED (the default) and
+    commit right after: the advisory lock taken here serializes every claimer until then.
+    """
+    session.execute(_SERIALIZE_CLAIMERS, {"key": CLAIM_LOCK_KEY})
+    rows = session.execute(
+        _CLAIM,
+        {
+            "worker_id": worker_id,
+            "batch_size": batch_size,
+            "per_company_cap": per_company_cap,
+            "stale_after": stale_after,
+        },
+    ).all()
+    return [ClaimedTask(*row) for row in rows]
+
+
+@dataclass(frozen=True)
+class LostTask:
+    """A task the poison-pill sweep failed because its workers kept dying."""
+
+    id: uuid.UUID
+    company_id: uuid.UUID
+    type: str
+    attempts: int
+    locked_by: str | None
+
+
+_FAIL_LOST = text(
+    """
+WITH lost AS (
+    -- Served by ix_tasks_processing_locked_at, so running it before every claim is cheap.
+    SELECT t.id, t.locked_by
+    FROM tasks t
+    WHERE t.status = 'processing'
+      AND t.locked_at < now() - make_interval(secs => CAST(:stale_after AS float8))
+      AND t.attempts >= t.max_attempts
+    -- Bounded, so a mass crash costs each pass a slice, not one long statement.
+    LIMIT :limit
+    -- A row someone holds right now is being finalized or reclaimed; leave it to them.
+    FOR UPDATE OF t SKIP LOCKED
+)
+UPDATE tasks t
+SET status = 'failed',
+    finished_at = now(),
+    updated_at = now(),
+    last_error = format('worker lost (lease expired) after %s attempts (last holder %s)',
+                        t.attempts, coalesce(lost.locked_by, 'unknown')),
+    lease_token = NULL,
+    locked_by = NULL,
+    locked_at = NULL
+FROM lost
+WHERE t.id = lost.id
+RETURNING t.id, t.company_id, t.type, t.attempts, lost.locked_by
+"""
+)
+
+
+def fail_lost_tasks(session: Session, *, stale_after: float, limit: int = 1000) -> list[LostTask]:
+    """Fail up to `limit` stale `processing` tasks that have no attempts left; return them.
+
+    DESIGN §4 Poison pills: a task whose worker died on its last attempt is not run again;
+    it becomes `failed` with `last_error` saying the worker was lost. `stale_after` is in
+    seconds, as for `claim`.
+    """
+    rows = session.execute(_FAIL_LOST, {"stale_after": stale_after, "limit": limit}).all()
+    return [LostTask(*row) for row in rows]
+
+
+def _clip_error(error: str) -> str:
+    # text columns reject NUL; a message longer than this is noise, not information.
+    error = error.replace("\x00", "\\0")
+    if len(error) > MAX_ERROR_CHARS:
+        error = error[: MAX_ERROR_CHARS - 1] + "\u2026"
+    return error
+
+
+def _rowcount(result: object) -> int:
+    # Session.execute is typed as returning Result; for DML it is a CursorResult.
+    assert isinstance(result, CursorResult)
+    return result.rowcount
+
+
+def _unzip(leases: Sequence[Lease]) -> dict[str, list[uuid.UUID]]:
+    return {"ids": [lease.task_id for lease in leases], "tokens": [lease.token for lease in leases]}
+
+
+_HEARTBEAT = text(
+    """
+UPDATE tasks t
+SET locked_at = now()
+FROM unnest(CAST(:ids AS uuid[]), CAST(:tokens AS uuid[])) AS held(id, token)
+WHERE t.id = held.id
+  -- Fenced: a lease another worker took over is theirs now; do not extend it.
+  AND t.status = 'processing'
+  AND t.lease_token = held.token
+RETURNING t.id
+"""
+)
+
+
+def heartbeat(session: Session, leases: Sequence[Lease]) -> set[uuid.UUID]:
+    """Refresh `locked_at` of the tasks still held under these leases; return their ids.
+
+    DESIGN §4 Heartbeat: keeps a long task from looking stale while its worker is alive.
+    The count refreshed is `len()` of the result; ids missing from it lost their lease
+    (taken over after expiry, or already finalized) and were not touched.
+    """
+    if not leases:
+        return set()
+    return set(session.scalars(_HEARTBEAT, _unzip(leases)))
+
+
+# Every finalizer is fenced (DESIGN §1.4): it matches only while the caller still holds the
+# lease. A miss means the lease was lost; nothing changes and the caller counts it.
+
+_COMPLETE = text(
+    """
+UPDATE tasks t
+SET status = 'completed', finished_at = now(), updated_at = now(), last_error = NULL,
+    lease_token = NULL, locked_by = NULL, locked_at = NULL
+FROM unnest(CAST(:ids AS uuid[]), CAST(:tokens AS uuid[])) AS held(id, token)
+WHERE t.id = held.id AND t.status = 'processing' AND t.lease_token = held.token
+RETURNING t.id
+"""
+)
+
+
+def complete_tasks(session: Session, leases: Sequence[Lease]) -> set[uuid.UUID]:
+    """Mark these held tasks `completed` in one statement; return the ids that matched.
+
+    Ids missing from the result lost their lease and were left unchanged.
+    """
+    if not leases:
+        return set()
+    return set(session.scalars(_COMPLETE, _unzip(leases)))
+
+
+def complete_task(session: Session, task_id: uuid.UUID, lease_token: uuid.UUID) -> bool:
+    """Mark a held task `completed`; False (and nothing changed) when the lease was lost."""
+    return bool(complete_tasks(session, [Lease(task_id, lease_token)]))
+
+
+_FAIL = text(
+    """
+UPDATE tasks
+SET status = 'failed', finished_at = now(), updated_at = now(), last_error = :error,
+    lease_token = NULL, locked_by = NULL, locked_at = NULL
+WHERE id = :id AND status = 'processing' AND lease_token = :token
+"""
+)
+
+
+def fail_task(session: Session, task_id: uuid.UUID, lease_token: uuid.UUID, *, error: str) -> bool:
+    """Mark a held task `failed` with `error` (clipped to `MAX_ERROR_CHARS`).
+
+    Returns False, changing nothing, when the lease was lost.
+    """
+    result = session.execute(
+        _FAIL, {"id": task_id, "token": lease_token, "error": _clip_error(error)}
+    )
+    return _rowcount(result) == 1
+
+
+_RETRY_LATER = text(
+    """
+UPDATE tasks
+SET status = 'pending',
+    run_after = now() + make_interval(secs => CAST(:delay AS float8)),
+    updated_at = now(), last_error = :error,
+    lease_token = NULL, locked_by = NULL, locked_at = NULL
+WHERE id = :id AND status = 'processing' AND lease_token = :token
+"""
+)
+
+
+def schedule_retry(
+    session: Session,
+    task_id: uuid.UUID,
+    lease_token: uuid.UUID,
+    *,
+    delay_seconds: float,
+    error: str,
+) -> bool:
+    """Put a held task back to `pending`, runnable `delay_seconds` from now, with `error`.
+
+    The delay comes from `worker.backoff`; attempts stay counted. Returns False, changing
+    nothing, when the lease was lost.
+    """
+    result = session.execute(
+        _RETRY_LATER,
+        {
+            "id": task_id,
+            "token": lease_token,
+            "delay": delay_seconds,
+            "error": _clip_error(error),
+        },
+    )
+    return _rowcount(result) == 1
+
+
+_RELEASE = text(
+    """
+UPDATE tasks t
+SET status = 'pending',
+    attempts = t.attempts - 1,   -- it never started: this claim was not an attempt
+    updated_at = now(),
+    lease_token = NULL, locked_by = NULL, locked_at = NULL
+    -- run_after untouched: a released task keeps its place in line.
+FROM unnest(CAST(:ids AS uuid[]), CAST(:tokens AS uuid[])) AS held(id, token)
+WHERE t.id = held.id AND t.status = 'processing' AND t.lease_token = held.token
+RETURNING t.id
+"""
+)
+
+
+def release_tasks(session: Session, leases: Sequence[Lease]) -> set[uuid.UUID]:
+    """Hand back held tasks that were never started (shutdown); return the ids released.
+
+    DESIGN §4 Release: back to `pending` with the attempt undone and `run_after` untouched.
+    Ids missing from the result lost their lease and were left unchanged.
+    """
+    if not leases:
+        return set()
+    return set(session.scalars(_RELEASE, _unzip(leases)))

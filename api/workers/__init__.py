@@ -1,0 +1,1 @@
+"""/workers: operator endpoints that drive the queue from the API process."""

@@ -1,0 +1,58 @@
+"""/workers/process: run one processing pass inside the API process (admin only).
+
+For operations and tests without a running supervisor (DESIGN §3). The pass uses the worker
+defaults (batch 100, at most 10 per company) and the API's `STALE_AFTER_SECONDS`; it runs in
+the request, so the response waits for every claimed task's handler.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from flask import current_app
+from flask.views import MethodView
+from marshmallow import Schema, fields
+
+from api import auth, database
+from api.parser import Blueprint
+from api.settings import ApiSettings
+from worker import processing
+
+blp = Blueprint("workers", __name__, url_prefix="/workers", description="Drive the queue by hand.")
+
+
+class PassResultSchema(Schema):
+    """What one processing pass did, in tasks."""
+
+    claimed = fields.Integer(dump_only=True, metadata={"description": "Moved to processing."})
+    completed = fields.Integer(dump_only=True, metadata={"description": "Handler succeeded."})
+    retried = fields.Integer(
+        dump_only=True, metadata={"description": "Failed, scheduled again with backoff."}
+    )
+    failed = fields.Integer(
+        dump_only=True,
+        metadata={"description": "Failed for good, including lost-worker poison pills."},
+    )
+    released = fields.Integer(dump_only=True, metadata={"description": "Handed back unstarted."})
+    lease_lost = fields.Integer(
+        dump_only=True, metadata={"description": "Finalization refused: lease taken over."}
+    )
+
+
+@blp.route("/process")
+class Process(MethodView):
+    """One processing pass."""
+
+    @auth.admin_required
+    @blp.response(200, PassResultSchema)
+    @blp.alt_response(401, description="Missing or invalid admin token.")
+    @blp.alt_response(503, description="ADMIN_TOKEN is not configured.")
+    def post(self) -> processing.PassResult:
+        """Claim, run and finalize one batch of tasks in this process (admin only)."""
+        settings: ApiSettings = current_app.config["FAIRQ_SETTINGS"]
+        return processing.process_batch(
+            database.session_factory(),
+            worker_id=f"{socket.gethostname()}:{os.getpid()}:api",
+            settings=processing.PassDefaults(stale_after=settings.stale_after_seconds),
+        )

@@ -1,0 +1,1 @@
+"""Operational scripts: local runner and benchmarks (run as files, see each docstring)."""

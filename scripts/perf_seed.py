@@ -1,0 +1,291 @@
+"""Build the reference claim workload (DESIGN §9): deterministic, seed 42 by default.
+
+The workload: 50 companies; 80% of the rows belong to 20% of them (10 heavy companies);
+3% terminal (completed, failed, cancelled), 2% processing (about half of them stale, a few of
+those poison pills with no attempts left), 95% pending. A fifth of the pending rows were
+retried and carry a backoff `run_after` between 15 minutes ago and 45 minutes ahead, so about
+three quarters of those are still delayed. About 82% of all rows are eligible for a claim.
+Timestamps are relative to the database clock at seeding time, so a stale seed drifts (delays
+expire): reseed before measuring.
+
+Usage:
+    PYTHONPATH=. .venv/bin/python scripts/perf_seed.py [--rows 100000] [--seed 42]
+        [--database-url postgresql+psycopg://postgres@127.0.0.1:5432/fairq_bench]
+
+Without `--database-url` or `DATABASE_URL`, an embedded PostgreSQL with its data in
+`.pgdata/bench` is started for the run and stopped afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Connection, Engine, pool, text
+from sqlalchemy.engine import make_url
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from db.embedded import EmbeddedPostgres, free_port  # noqa: E402  (needs ROOT on sys.path)
+from db.engine import make_engine  # noqa: E402
+
+COMPANIES = 50
+HEAVY_COMPANIES = 10  # 20% of the companies ...
+HEAVY_SHARE = 0.8  # ... own 80% of the rows
+DEFAULT_DATABASE = "fairq_bench"
+STALE_AFTER_SECONDS = 300.0  # what the benchmark's claim uses; stale rows are far older
+
+# Built with generate_series in one INSERT ... SELECT: about 1M rows in well under a minute.
+# setseed() makes random() deterministic for the session; the ids are derived from the seed
+# and the row number, so two seeds with the same arguments produce the same rows.
+_SEED_COMPANIES = """
+INSERT INTO companies (id, name, api_key_hash, created_at)
+SELECT md5('fairq-company-' || i)::uuid,
+       'company-' || lpad(i::text, 2, '0') || CASE WHEN i <= :heavy THEN '-heavy' ELSE '' END,
+       encode(sha256(convert_to('perf-seed-key-' || i, 'UTF8')), 'hex'),
+       now() - interval '30 days'
+FROM generate_series(1, :companies) AS i
+"""
+
+_SEED_TASKS = """
+INSERT INTO tasks (id, company_id, type, payload, status, attempts, max_attempts, run_after,
+                   lease_token, locked_by, locked_at, last_error,
+                   created_at, updated_at, started_at, finished_at)
+SELECT md5('fairq-task-' || :seed || '-' || g)::uuid,
+       md5('fairq-company-' || company_no)::uuid,
+       'noop', '{}'::jsonb,
+       status,
+       CASE status WHEN 'pending' THEN CASE WHEN retried THEN 1 + (r_kind * 3)::int ELSE 0 END
+                   WHEN 'processing' THEN CASE WHEN poison THEN 5 ELSE 1 END
+                   ELSE 1 END,
+       5,
+       CASE WHEN retried THEN now() + make_interval(secs => -900 + r_delay * 3600)
+            ELSE created_at END,
+       CASE WHEN status = 'processing' THEN md5('lease-' || g)::uuid END,
+       CASE WHEN status = 'processing' THEN 'perf-seed:' || (g % 7) END,
+       CASE WHEN status <> 'processing' THEN NULL
+            WHEN stale THEN now() - interval '1 hour'
+            ELSE now() - interval '10 seconds' END,
+       CASE WHEN retried OR status = 'failed' THEN 'seeded failure' END,
+       created_at,
+       created_at,
+       CASE WHEN status IN ('processing', 'completed', 'failed') OR retried THEN created_at END,
+       CASE WHEN status IN ('completed', 'failed', 'cancelled') THEN created_at END
+FROM (
+    SELECT g, r_kind, r_delay, created_at,
+           CASE WHEN r_company < :heavy_share THEN 1 + floor(r_pick * :heavy)::int
+                ELSE :heavy + 1 + floor(r_pick * (:companies - :heavy))::int END AS company_no,
+           CASE WHEN r_status < 0.01 THEN 'completed'
+                WHEN r_status < 0.02 THEN 'failed'
+                WHEN r_status < 0.03 THEN 'cancelled'
+                WHEN r_status < 0.05 THEN 'processing'
+                ELSE 'pending' END AS status,
+           r_status >= 0.05 AND r_kind < 0.2 AS retried,
+           r_kind < 0.5 AS stale,
+           r_kind < 0.05 AS poison
+    FROM (
+        SELECT g, random() AS r_company, random() AS r_pick, random() AS r_status,
+               random() AS r_kind, random() AS r_delay,
+               -- Insertion order is creation order, as in a live queue: one week of history.
+               now() - make_interval(secs => (:rows - g + 1) * (604800.0 / :rows)) AS created_at
+        FROM generate_series(1, :rows) AS g
+    ) AS r
+) AS x
+"""
+
+_STATS = """
+SELECT count(*) AS total,
+       count(*) FILTER (WHERE (status = 'pending' AND run_after <= now())
+                           OR (status = 'processing'
+                               AND locked_at < now() - make_interval(secs => :stale)
+                               AND attempts < max_attempts)) AS eligible,
+       count(*) FILTER (WHERE status = 'pending') AS pending,
+       count(*) FILTER (WHERE status = 'pending' AND run_after > now()) AS delayed,
+       count(*) FILTER (WHERE status = 'processing') AS processing,
+       count(*) FILTER (WHERE status IN ('completed', 'failed', 'cancelled')) AS terminal
+FROM tasks
+"""
+
+
+@dataclass(frozen=True)
+class SeedStats:
+    """What a seeded database holds."""
+
+    total: int
+    eligible: int
+    pending: int
+    delayed: int
+    processing: int
+    terminal: int
+    seconds: float
+
+    def describe(self) -> str:
+        """One line for the console."""
+        pct = 100.0 / max(self.total, 1)
+        return (
+            f"{self.total:,} rows in {self.seconds:.1f}s: eligible {self.eligible * pct:.1f}%, "
+            f"pending {self.pending * pct:.1f}% (delayed {self.delayed * pct:.1f}%), "
+            f"processing {self.processing * pct:.1f}%, terminal {self.terminal * pct:.1f}%"
+        )
+
+
+def seed_marker(rows: int, seed: int) -> str:
+    """The table comment that identifies a seeded workload (for `--reuse`)."""
+    return f"perf_seed rows={rows} seed={seed}"
+
+
+def current_marker(engine: Engine) -> str | None:
+    """The seed marker of the database behind `engine`, or None."""
+    with engine.connect() as conn:
+        value: str | None = conn.execute(
+            text("SELECT obj_description('tasks'::regclass, 'pg_class')")
+        ).scalar_one()
+        return value
+
+
+def _seed_tasks(conn: Connection, rows: int, seed: int) -> None:
+    # Secondary indexes are dropped for the bulk insert and rebuilt afterwards, which is
+    # several times faster than maintaining them row by row. DDL is transactional, so an
+    # interrupted seed leaves the indexes in place.
+    indexes = conn.execute(
+        text(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'tasks' "
+            "AND indexname NOT IN (SELECT conname FROM pg_constraint "
+            "WHERE conrelid = 'tasks'::regclass)"
+        )
+    ).all()
+    for name, _ in indexes:
+        conn.execute(text(f'DROP INDEX "{name}"'))
+    conn.execute(
+        text(_SEED_TASKS),
+        {
+            "rows": rows,
+            "seed": seed,
+            "heavy": HEAVY_COMPANIES,
+            "companies": COMPANIES,
+            "heavy_share": HEAVY_SHARE,
+        },
+    )
+    for _, definition in indexes:
+        conn.execute(text(definition))
+
+
+def seed(engine: Engine, rows: int, seed: int = 42) -> SeedStats:
+    """Replace every company and task with the reference workload; return its statistics."""
+    started = time.perf_counter()
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE companies, tasks"))
+        # random() in [0, 1) must be deterministic: setseed takes [-1, 1].
+        conn.execute(text("SELECT setseed(:s)"), {"s": (seed % 1000) / 1000.0})
+        conn.execute(
+            text(_SEED_COMPANIES),
+            {"heavy": HEAVY_COMPANIES, "companies": COMPANIES},
+        )
+        _seed_tasks(conn, rows, seed)
+        conn.execute(text(f"COMMENT ON TABLE tasks IS '{seed_marker(rows, seed)}'"))
+    # VACUUM sets the visibility map (index-only scans) and ANALYZE gives the planner
+    # the real distribution; neither may run inside a transaction block.
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM (ANALYZE) companies, tasks"))
+    return stats(engine, time.perf_counter() - started)
+
+
+def stats(engine: Engine, seconds: float = 0.0) -> SeedStats:
+    """Count what the database behind `engine` holds now."""
+    with engine.connect() as conn:
+        row = conn.execute(text(_STATS), {"stale": STALE_AFTER_SECONDS}).one()
+    return SeedStats(
+        total=row.total,
+        eligible=row.eligible,
+        pending=row.pending,
+        delayed=row.delayed,
+        processing=row.processing,
+        terminal=row.terminal,
+        seconds=seconds,
+    )
+
+
+def ensure_database(url: str) -> None:
+    """Create the database named in `url` if the server does not have it yet."""
+    parsed = make_url(url)
+    admin = parsed.set(drivername="postgresql", database="postgres")
+    with psycopg.connect(admin.render_as_string(hide_password=False), autocommit=True) as conn:
+        exists = conn.execute(
+            "SELECT 1 FROM pg_database WHERE datname = %s", (parsed.database,)
+        ).fetchone()
+        if not exists:
+            conn.execute(f'CREATE DATABASE "{parsed.database}"')
+
+
+def migrate(url: str) -> None:
+    """Bring the schema to `alembic upgrade head`, as in production."""
+    cfg = Config(toml_file=str(ROOT / "pyproject.toml"))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    command.upgrade(cfg, "head")
+
+
+@contextmanager
+def database(url: str | None) -> Iterator[str]:
+    """Yield a migrated database URL: `url`, `DATABASE_URL`, or the embedded server.
+
+    The embedded server keeps its data in `.pgdata/bench` and is stopped on exit.
+    """
+    url = url or os.environ.get("DATABASE_URL") or None
+    embedded: EmbeddedPostgres | None = None
+    if url is None:
+        embedded = EmbeddedPostgres(ROOT / ".pgdata" / "bench", free_port())
+        embedded.start()
+        url = embedded.url(DEFAULT_DATABASE)
+    try:
+        if url.startswith("postgresql://"):
+            url = "postgresql+psycopg://" + url[len("postgresql://") :]
+        ensure_database(url)
+        migrate(url)
+        yield url
+    finally:
+        if embedded is not None:
+            embedded.stop()
+
+
+def bench_engine(url: str) -> Engine:
+    """An engine for benchmark scripts: one connection, no pool surprises."""
+    return make_engine(url, application_name="fairq-bench", poolclass=pool.SingletonThreadPool)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line of this script."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--rows", type=int, default=100_000, help="task rows (default 100000)")
+    parser.add_argument("--seed", type=int, default=42, help="random seed (default 42)")
+    parser.add_argument(
+        "--database-url",
+        help="postgresql+psycopg:// URL (created if missing); default DATABASE_URL, else an "
+        "embedded server with data in .pgdata/bench",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Seed the workload and print what was built."""
+    args = parse_args(argv)
+    with database(args.database_url) as url:
+        engine = bench_engine(url)
+        try:
+            print(seed(engine, args.rows, args.seed).describe())
+        finally:
+            engine.dispose()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,262 @@
+"""Fenced finalization, heartbeat, the poison-pill sweep and backoff (DESIGN §1.4, §4)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+import uuid
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from db import queue
+from db.models import Task
+from tests.factories import MakeCompany, MakeTask
+from worker import backoff
+
+
+def fetch(session: Session, task_id: uuid.UUID) -> dict[str, Any]:
+    """The task row as a dict, read fresh from the database."""
+    result = session.execute(text("SELECT * FROM tasks WHERE id = :id"), {"id": task_id})
+    return dict(result.mappings().one())
+
+
+def lease(task: Task) -> queue.Lease:
+    """The lease a `claimed_task` row is held under."""
+    assert task.lease_token is not None
+    return queue.Lease(task.id, task.lease_token)
+
+
+def take_over(session: Session, task: Task) -> queue.ClaimedTask:
+    """Let `task`'s lease expire and have another worker claim it; return the new claim."""
+    session.execute(
+        text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
+        {"id": task.id},
+    )
+    [claimed] = queue.claim(
+        session, worker_id="new:2", batch_size=10, per_company_cap=10, stale_after=60
+    )
+    session.commit()
+    assert claimed.id == task.id
+    return claimed
+
+
+# -- complete, fail, retry, release: each fenced ------------------------------------------
+
+
+def test_complete_clears_the_lease_and_the_last_error(
+    db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
+) -> None:
+    task = claimed_task(make_company().id, last_error="earlier failure")
+
+    assert queue.complete_task(db_session, task.id, lease(task).token) is True
+
+    stored = fetch(db_session, task.id)
+    assert stored["status"] == "completed"
+    assert stored["finished_at"] is not None
+    assert stored["last_error"] is None
+    assert stored["lease_token"] is stored["locked_by"] is stored["locked_at"] is None
+    assert stored["attempts"] == 1
+
+
+def test_complete_tasks_completes_only_the_leases_still_held(
+    db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
+) -> None:
+    company = make_company().id
+    held, lost = claimed_task(company), claimed_task(company)
+    stale_lease = queue.Lease(lost.id, uuid.uuid4())
+
+    assert queue.complete_tasks(db_session, [lease(held), stale_lease]) == {held.id}
+    assert fetch(db_session, lost.id)["status"] == "processing"
+    assert queue.complete_tasks(db_session, []) == set()
+
+
+def test_fail_records_the_error_clipped_and_without_nul(
+    db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
+) -> None:
+    task = claimed_task(make_company().id)
+
+    assert queue.fail_task(db_session, task.id, lease(task).token, error="bad\x00" + "x" * 5000)
+
+    stored = fetch(db_session, task.id)
+    assert stored["status"] == "failed"
+    assert stored["finished_at"] is not None
+    assert stored["lease_token"] is None
+    assert len(stored["last_error"]) == queue.MAX_ERROR_CHARS
+    assert stored["last_error"].startswith("bad\\0xxx")
+    assert stored["last_error"].endswith("\u2026")
+
+
+def test_retry_puts_the_task_back_to_pending_after_the_delay(
+    db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
+) -> None:
+    task = claimed_task(make_company().id, attempts=2)
+
+    assert queue.schedule_retry(
+        db_session, task.id, lease(task).token, delay_seconds=90.5, error="TimeoutError"
+    )
+
+    stored = fetch(db_session, task.id)
+    now = db_session.execute(text("SELECT now()")).scalar_one()
+    assert stored["status"] == "pending"
+    assert stored["run_after"] - now == dt.timedelta(seconds=90.5)
+    assert stored["attempts"] == 2
+    assert stored["last_error"] == "TimeoutError"
+    assert stored["finished_at"] is None
+    assert stored["lease_token"] is stored["locked_by"] is stored["locked_at"] is None
+
+
+def test_release_restores_attempts_and_keeps_run_after(
+    db_session: Session, make_company: MakeCompany, make_task: MakeTask
+) -> None:
+    company = make_company().id
+    tasks = [
+        make_task(company, run_after=text(f"now() - interval '{n} minutes'")) for n in (3, 2, 1)
+    ]
+    before = {t.id: fetch(db_session, t.id) for t in tasks}
+    claimed = queue.claim(
+        db_session, worker_id="w:1", batch_size=10, per_company_cap=10, stale_after=300
+    )
+    assert {t.attempts for t in claimed} == {1}
+
+    assert queue.release_tasks(db_session, [t.lease for t in claimed]) == {t.id for t in tasks}
+
+    for task in tasks:
+        stored = fetch(db_session, task.id)
+        assert stored["status"] == "pending"
+        assert stored["attempts"] == 0
+        assert stored["run_after"] == before[task.id]["run_after"]
+        assert stored["lease_token"] is stored["locked_by"] is stored["locked_at"] is None
+    assert queue.release_tasks(db_session, []) == set()
+
+
+def test_a_late_worker_changes_nothing_after_its_lease_was_taken_over(
+    db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
+) -> None:
+    """Fencing (DESIGN §1.4): every finalizer with the old token misses and changes nothing."""
+    task = claimed_task(make_company().id, locked_by="old:1")
+    old = lease(task)
+    new = take_over(db_session, task)
+    after_takeover = fetch(db_session, task.id)
+
+    assert queue.complete_task(db_session, old.task_id, old.token) is False
+    assert queue.complete_tasks(db_session, [old]) == set()
+    assert queue.fail_task(db_session, old.task_id, old.token, error="late") is False
+    assert (
+        queue.schedule_retry(db_session, old.task_id, old.token, delay_seconds=1, error="late")
+        is False
+    )
+    assert queue.release_tasks(db_session, [old]) == set()
+    assert queue.heartbeat(db_session, [old]) == set()
+
+    assert fetch(db_session, task.id) == after_takeover
+    assert after_takeover["lease_token"] == new.lease_token
+    assert after_takeover["locked_by"] == "new:2"
+    assert after_takeover["attempts"] == 2
+    # The new holder still finalizes normally.
+    assert queue.complete_task(db_session, task.id, new.lease_token) is True
+
+
+def test_finalizers_miss_on_tasks_that_are_no_longer_processing(
+    db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
+) -> None:
+    task = claimed_task(make_company().id)
+    assert queue.complete_task(db_session, task.id, lease(task).token)
+    assert queue.fail_task(db_session, task.id, lease(task).token, error="x") is False
+    assert fetch(db_session, task.id)["status"] == "completed"
+
+
+# -- heartbeat ---------------------------------------------------------------------------
+
+
+def test_heartbeat_refreshes_only_the_leases_still_held(
+    db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
+) -> None:
+    company = make_company().id
+    old = "now() - interval '200 seconds'"
+    held = claimed_task(company, locked_at=text(old))
+    other = claimed_task(company, locked_at=text(old))
+
+    refreshed = queue.heartbeat(db_session, [lease(held), queue.Lease(other.id, uuid.uuid4())])
+
+    now = db_session.execute(text("SELECT now()")).scalar_one()
+    assert refreshed == {held.id}
+    assert fetch(db_session, held.id)["locked_at"] == now
+    assert fetch(db_session, other.id)["locked_at"] < now
+    assert queue.heartbeat(db_session, []) == set()
+
+
+# -- poison pills ------------------------------------------------------------------------
+
+
+def test_a_task_whose_worker_dies_every_time_ends_failed_after_max_attempts(
+    db_session: Session, make_company: MakeCompany, make_task: MakeTask
+) -> None:
+    """Each claim counts an attempt; the sweep fails the task once none are left."""
+    company = make_company().id
+    task = make_task(company, max_attempts=3)
+    expire = text("UPDATE tasks SET locked_at = now() - interval '10 minutes' WHERE id = :id")
+    for attempt in (1, 2, 3):
+        assert queue.fail_lost_tasks(db_session, stale_after=300) == []
+        [claimed] = queue.claim(
+            db_session, worker_id=f"doomed:{attempt}", batch_size=1, per_company_cap=1,
+            stale_after=300,
+        )  # fmt: skip
+        assert claimed.attempts == attempt
+        db_session.execute(expire, {"id": task.id})  # the worker dies; its lease expires
+
+    assert (
+        queue.claim(db_session, worker_id="w", batch_size=1, per_company_cap=1, stale_after=300)
+        == []
+    )
+    [lost] = queue.fail_lost_tasks(db_session, stale_after=300)
+
+    stored = fetch(db_session, task.id)
+    assert (lost.id, lost.type, lost.attempts, lost.locked_by) == (task.id, "noop", 3, "doomed:3")
+    assert stored["status"] == "failed"
+    assert stored["finished_at"] is not None
+    assert stored["last_error"] == (
+        "worker lost (lease expired) after 3 attempts (last holder doomed:3)"
+    )
+    assert stored["lease_token"] is stored["locked_at"] is None
+    assert queue.fail_lost_tasks(db_session, stale_after=300) == []
+
+
+def test_the_sweep_leaves_live_leases_and_tasks_with_attempts_left(
+    db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
+) -> None:
+    company = make_company().id
+    claimed_task(company, attempts=5, max_attempts=5)  # last attempt, still alive
+    claimed_task(company, attempts=1, locked_at=text("now() - interval '1 hour'"))
+    assert queue.fail_lost_tasks(db_session, stale_after=300) == []
+
+
+# -- backoff -----------------------------------------------------------------------------
+
+
+def test_backoff_ceiling_doubles_from_two_seconds_up_to_an_hour() -> None:
+    assert [backoff.ceiling(a) for a in range(1, 14)] == [
+        2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 3600, 3600,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("attempt", "top"), [(1, 2.0), (16, 3600.0), (1_000_000, 3600.0)])
+def test_backoff_delay_is_full_jitter_below_the_ceiling(attempt: int, top: float) -> None:
+    rng = random.Random(7)
+    delays = [backoff.delay(attempt, rng=rng) for _ in range(2000)]
+    assert all(0.0 <= d <= top for d in delays)
+    # Full jitter: the whole range is used, not just the top or a band around it.
+    assert min(delays) < top * 0.01
+    assert max(delays) > top * 0.99
+
+
+def test_backoff_never_overflows() -> None:
+    assert backoff.ceiling(10**100) == 3600.0
+    assert 0.0 <= backoff.delay(2**63) <= 3600.0
+
+
+def test_backoff_rejects_attempt_zero() -> None:
+    with pytest.raises(ValueError, match="counts from 1"):
+        backoff.delay(0)

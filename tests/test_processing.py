@@ -1,0 +1,469 @@
+"""The processing pass (`worker.processing`) and `POST /workers/process`."""
+
+from __future__ import annotations
+
+import datetime as dt
+import multiprocessing
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from flask.testing import FlaskClient
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from db import queue
+from db.engine import make_engine, make_sessionmaker
+from tests.factories import CreatedTask, MakeCompany, insert_company, insert_tasks, json_of
+from worker import processing, tasktypes
+from worker.errors import PermanentTaskError
+from worker.tasktypes.base import HandlerConfig, TaskContext, TaskType
+from worker.tasktypes.noop import NoopPayload
+
+Register = Callable[[str, Callable[[TaskContext], None]], None]
+
+
+class Recorder:
+    """A `PassObserver` that keeps every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def claimed(self, n: int) -> None:
+        self.calls.append(("claimed", n))
+
+    def claim_seconds(self, seconds: float) -> None:
+        self.calls.append(("claim_seconds",))
+
+    def completed(self, task_type: str, seconds: float) -> None:
+        self.calls.append(("completed", task_type))
+
+    def retried(self, task_type: str, seconds: float | None = None) -> None:
+        self.calls.append(("retried", task_type))
+
+    def failed(self, task_type: str, seconds: float | None = None) -> None:
+        self.calls.append(("failed", task_type, seconds is not None))
+
+    def released(self, n: int) -> None:
+        self.calls.append(("released", n))
+
+    def lease_lost(self, n: int = 1) -> None:
+        self.calls.append(("lease_lost", n))
+
+
+class TopOfRange(random.Random):
+    """Backoff at its ceiling, so the retry delay is known exactly."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
+@pytest.fixture
+def sessions(fresh_engine: Engine) -> sessionmaker[Session]:
+    """Sessions on a fresh database whose commits other threads and processes see."""
+    return make_sessionmaker(fresh_engine)
+
+
+@pytest.fixture
+def company(sessions: sessionmaker[Session]) -> uuid.UUID:
+    """A company in the fresh database."""
+    with sessions() as session:
+        return insert_company(session).id
+
+
+@pytest.fixture
+def register(monkeypatch: pytest.MonkeyPatch) -> Register:
+    """`register(name, handler)` adds a task type for this test only."""
+
+    def add(name: str, handler: Callable[[TaskContext], None]) -> None:
+        monkeypatch.setitem(
+            tasktypes.REGISTRY, name, TaskType(name, "test type", NoopPayload, handler)
+        )
+
+    return add
+
+
+def add_tasks(
+    sessions: sessionmaker[Session], company: uuid.UUID, count: int, task_type: str, **kw: Any
+) -> list[uuid.UUID]:
+    """Insert `count` pending tasks of `task_type`; ids oldest first."""
+    with sessions() as session:
+        return insert_tasks(session, company, count, task_type=task_type, **kw)
+
+
+def rows(sessions: sessionmaker[Session], ids: list[uuid.UUID]) -> list[dict[str, Any]]:
+    """The stored rows of `ids`, in that order, with the database time as `db_now`."""
+    with sessions() as session:
+        found = session.execute(
+            text("SELECT *, now() AS db_now FROM tasks WHERE id = ANY(:ids)"), {"ids": ids}
+        ).mappings()
+        by_id = {r["id"]: dict(r) for r in found}
+    return [by_id[i] for i in ids]
+
+
+def run_pass(sessions: sessionmaker[Session] | Engine, **kw: Any) -> processing.PassResult:
+    """One pass with test defaults (batch 100, cap 10, stale 300 s)."""
+    settings = kw.pop("settings", processing.PassDefaults())
+    return processing.process_batch(sessions, worker_id="test:1", settings=settings, **kw)
+
+
+def test_noop_tasks_complete(sessions: sessionmaker[Session], company: uuid.UUID) -> None:
+    ids = add_tasks(sessions, company, 5, "noop")
+    observer = Recorder()
+
+    result = run_pass(sessions, observer=observer)
+
+    assert result == processing.PassResult(claimed=5, completed=5)
+    for stored in rows(sessions, ids):
+        assert stored["status"] == "completed"
+        assert stored["attempts"] == 1
+        assert stored["finished_at"] is not None
+        assert stored["lease_token"] is stored["locked_by"] is stored["locked_at"] is None
+    assert observer.calls == [
+        ("claim_seconds",), ("claimed", 5), *[("completed", "noop")] * 5,
+    ]  # fmt: skip
+    assert run_pass(sessions) == processing.PassResult()
+
+
+def test_a_raising_handler_is_retried_later_with_its_error(
+    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+) -> None:
+    def flaky(task: TaskContext) -> None:
+        raise ConnectionError("smtp down")
+
+    register("flaky", flaky)
+    [task_id] = add_tasks(sessions, company, 1, "flaky")
+    observer = Recorder()
+
+    result = run_pass(sessions, observer=observer, rng=TopOfRange())
+
+    [stored] = rows(sessions, [task_id])
+    assert result == processing.PassResult(claimed=1, retried=1)
+    assert stored["status"] == "pending"
+    assert stored["attempts"] == 1
+    assert stored["last_error"] == "ConnectionError: smtp down"
+    # Attempt 1 backs off up to 2 s; TopOfRange picks exactly 2 s from the retry's now().
+    assert dt.timedelta(seconds=1.5) < stored["run_after"] - stored["db_now"]
+    assert stored["run_after"] - stored["db_now"] <= dt.timedelta(seconds=2)
+    assert ("retried", "flaky") in observer.calls
+
+
+def test_the_last_attempt_fails_for_good(
+    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+) -> None:
+    def flaky(task: TaskContext) -> None:
+        raise TimeoutError
+
+    register("flaky", flaky)
+    [task_id] = add_tasks(sessions, company, 1, "flaky", max_attempts=1)
+
+    assert run_pass(sessions) == processing.PassResult(claimed=1, failed=1)
+    [stored] = rows(sessions, [task_id])
+    assert stored["status"] == "failed"
+    assert stored["last_error"] == "gave up after 1 attempts: TimeoutError"
+
+
+def test_permanent_errors_and_unknown_types_fail_without_retry(
+    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+) -> None:
+    def refuse(task: TaskContext) -> None:
+        raise PermanentTaskError("mailbox does not exist")
+
+    register("refuse", refuse)
+    [refused] = add_tasks(sessions, company, 1, "refuse")
+    [unknown] = add_tasks(sessions, company, 1, "retired-type")
+    observer = Recorder()
+
+    assert run_pass(sessions, observer=observer) == processing.PassResult(claimed=2, failed=2)
+    first, second = rows(sessions, [refused, unknown])
+    assert first["status"] == second["status"] == "failed"
+    assert first["attempts"] == 1
+    assert first["last_error"] == "PermanentTaskError: mailbox does not exist"
+    assert second["last_error"].startswith("unknown task type 'retired-type' (registered: ")
+    assert ("failed", "refuse", True) in observer.calls
+    assert ("failed", "retired-type", False) in observer.calls
+
+
+def test_handlers_get_the_attempt_payload_and_config(
+    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+) -> None:
+    seen: list[TaskContext] = []
+    register("spy", seen.append)
+    [task_id] = add_tasks(sessions, company, 1, "spy", payload={"to": "a@example.com"})
+    config = HandlerConfig(smtp_from="ops@example.com")
+
+    run_pass(sessions, settings=processing.PassDefaults(handler_config=config))
+
+    [context] = seen
+    assert (context.task_id, context.company_id) == (task_id, company)
+    assert (context.type, context.attempt, context.max_attempts) == ("spy", 1, 5)
+    assert context.payload == {"to": "a@example.com"}
+    assert context.config is config
+
+
+def test_stop_mid_batch_releases_the_rest_with_attempts_restored(
+    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+) -> None:
+    stop = threading.Event()
+    register("stopper", lambda task: stop.set())
+    ids = add_tasks(sessions, company, 5, "stopper")
+    before = rows(sessions, ids)
+    observer = Recorder()
+
+    result = run_pass(sessions, stop=stop, observer=observer)
+
+    assert result == processing.PassResult(claimed=5, completed=1, released=4)
+    first, *rest = rows(sessions, ids)
+    assert first["status"] == "completed"
+    for stored, original in zip(rest, before[1:], strict=True):
+        assert stored["status"] == "pending"
+        assert stored["attempts"] == 0
+        assert stored["run_after"] == original["run_after"]
+        assert stored["lease_token"] is None
+    assert ("released", 4) in observer.calls
+
+
+def test_a_set_stop_flag_claims_nothing(
+    sessions: sessionmaker[Session], company: uuid.UUID
+) -> None:
+    [task_id] = add_tasks(sessions, company, 1, "noop")
+    assert run_pass(sessions, stop=lambda: True) == processing.PassResult()
+    assert rows(sessions, [task_id])[0]["status"] == "pending"
+
+
+def test_keyboard_interrupt_propagates_after_releasing_the_unstarted_rest(
+    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+) -> None:
+    calls: list[uuid.UUID] = []
+
+    def interrupted_second_time(task: TaskContext) -> None:
+        calls.append(task.task_id)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    register("interruptible", interrupted_second_time)
+    ids = add_tasks(sessions, company, 4, "interruptible")
+
+    with pytest.raises(KeyboardInterrupt):
+        run_pass(sessions)
+
+    done, interrupted, *unstarted = rows(sessions, ids)
+    assert done["status"] == "completed"
+    # The interrupted task may have had side effects: lease expiry recovers it, counted.
+    assert (interrupted["status"], interrupted["attempts"]) == ("processing", 1)
+    assert [(r["status"], r["attempts"]) for r in unstarted] == [("pending", 0)] * 2
+
+
+def test_a_lease_taken_over_during_the_handler_is_counted_as_lost(
+    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+) -> None:
+    def overtaken(task: TaskContext) -> None:
+        # Another worker declares this lease dead and claims the task meanwhile.
+        with sessions() as other:
+            other.execute(
+                text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
+                {"id": task.task_id},
+            )
+            [taken] = queue.claim(
+                other, worker_id="other:2", batch_size=1, per_company_cap=1, stale_after=300
+            )
+            other.commit()
+            assert taken.id == task.task_id
+
+    register("overtaken", overtaken)
+    [task_id] = add_tasks(sessions, company, 1, "overtaken")
+    observer = Recorder()
+
+    assert run_pass(sessions, observer=observer) == processing.PassResult(claimed=1, lease_lost=1)
+    [stored] = rows(sessions, [task_id])
+    assert (stored["status"], stored["locked_by"], stored["attempts"]) == (
+        "processing", "other:2", 2,
+    )  # fmt: skip
+    assert ("lease_lost", 1) in observer.calls
+
+
+def test_a_task_whose_lease_the_heartbeat_found_taken_over_is_not_started(
+    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+) -> None:
+    """Running it would process it twice at once (DESIGN §1.2); it is skipped and counted."""
+    started: list[uuid.UUID] = []
+
+    def first(task: TaskContext) -> None:
+        started.append(task.task_id)
+        with sessions() as other:  # another worker takes the second task over meanwhile
+            other.execute(
+                text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
+                {"id": second_id},
+            )
+            queue.claim(other, worker_id="other:2", batch_size=1, per_company_cap=1, stale_after=2)
+            other.commit()
+        time.sleep(0.5)  # a few heartbeats
+
+    register("first", first)
+    register("second", lambda task: started.append(task.task_id))
+    [first_id] = add_tasks(sessions, company, 1, "first", newest_age_seconds=60)
+    [second_id] = add_tasks(sessions, company, 1, "second")
+    settings = processing.PassDefaults(stale_after=2.0, heartbeat_interval=0.1)
+
+    result = run_pass(sessions, settings=settings)
+
+    assert result == processing.PassResult(claimed=2, completed=1, lease_lost=1)
+    assert started == [first_id]
+    [stored] = rows(sessions, [second_id])
+    assert (stored["status"], stored["locked_by"]) == ("processing", "other:2")
+
+
+def test_completions_are_written_while_a_later_task_still_runs(
+    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+) -> None:
+    """Batched completions wait about COMPLETION_FLUSH_SECONDS, not for the pass to end."""
+    seen_by_slow: list[str] = []
+
+    def slow(task: TaskContext) -> None:
+        time.sleep(processing.COMPLETION_FLUSH_SECONDS * 5)
+        seen_by_slow.append(rows(sessions, [fast_id])[0]["status"])
+
+    register("slow", slow)
+    [fast_id] = add_tasks(sessions, company, 1, "noop", newest_age_seconds=60)
+    add_tasks(sessions, company, 1, "slow")
+
+    assert run_pass(sessions) == processing.PassResult(claimed=2, completed=2)
+    assert seen_by_slow == ["completed"]
+
+
+# -- leases held by a live worker, lost by a dead one -------------------------------------
+
+
+@pytest.mark.slow
+def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
+    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+) -> None:
+    """A 30 s task with a 10 s stale window and 2 s heartbeats, time-scaled by 1/10.
+
+    A competitor claims every 50 ms with the same stale window throughout; the control at
+    the end shows it does take over a lease nobody refreshes.
+    """
+    stale, task_seconds, beat = 1.0, 3.0, 0.2
+    register("long", lambda task: time.sleep(task_seconds))
+    [task_id] = add_tasks(sessions, company, 1, "long")
+    settings = processing.PassDefaults(stale_after=stale, heartbeat_interval=beat)
+    done = threading.Event()
+    stolen: list[uuid.UUID] = []
+
+    def competitor() -> None:
+        with sessions() as session:
+            while not done.wait(0.05):
+                batch = queue.claim(
+                    session, worker_id="thief:9", batch_size=10, per_company_cap=10,
+                    stale_after=stale,
+                )  # fmt: skip
+                session.commit()
+                stolen.extend(t.id for t in batch)
+
+    thief = threading.Thread(target=competitor)
+    thief.start()
+    try:
+        result = run_pass(sessions, settings=settings)
+    finally:
+        done.set()
+        thief.join()
+
+    assert stolen == []
+    assert result == processing.PassResult(claimed=1, completed=1)
+    [stored] = rows(sessions, [task_id])
+    assert (stored["status"], stored["attempts"]) == ("completed", 1)
+
+    # Control: the same lease without heartbeats is taken over after the stale window.
+    [orphan] = add_tasks(sessions, company, 1, "long")
+    with sessions() as session:
+        queue.claim(session, worker_id="dies:1", batch_size=1, per_company_cap=1, stale_after=stale)
+        session.commit()
+        time.sleep(stale + 0.1)
+        [taken] = queue.claim(
+            session, worker_id="thief:9", batch_size=1, per_company_cap=1, stale_after=stale
+        )
+        session.commit()
+    assert taken.id == orphan
+
+
+def _pass_in_child(url: str) -> None:
+    # A forked child builds its own engine (STACK "Forking"); the handler kills the process.
+    engine = make_engine(url, application_name="dying-worker")
+    try:
+        processing.process_batch(engine, worker_id=f"child:{os.getpid()}")
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.slow
+def test_a_task_that_kills_its_worker_every_time_ends_failed(
+    sessions: sessionmaker[Session], company: uuid.UUID, register: Register, fresh_db_url: str
+) -> None:
+    """Real worker processes die inside the handler; after max_attempts the sweep fails it."""
+    register("fatal", lambda task: os._exit(13))
+    [task_id] = add_tasks(sessions, company, 1, "fatal", max_attempts=3)
+    context = multiprocessing.get_context("fork")
+    for attempt in (1, 2, 3):
+        child = context.Process(target=_pass_in_child, args=(fresh_db_url,))
+        child.start()
+        child.join(30)
+        assert child.exitcode == 13
+        [stored] = rows(sessions, [task_id])
+        assert (stored["status"], stored["attempts"]) == ("processing", attempt)
+        with sessions() as session:  # time passes: the dead worker's lease expires
+            session.execute(
+                text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
+                {"id": task_id},
+            )
+            session.commit()
+
+    assert run_pass(sessions) == processing.PassResult(failed=1)
+    [stored] = rows(sessions, [task_id])
+    assert stored["status"] == "failed"
+    assert stored["last_error"].startswith("worker lost (lease expired) after 3 attempts")
+
+
+# -- POST /workers/process ---------------------------------------------------------------
+
+
+@pytest.fixture
+def quiet_processing_logs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Keep the pass's per-task log lines out of the captured output."""
+    with caplog.at_level("WARNING", logger="fairq.worker.processing"):
+        yield
+
+
+@pytest.mark.usefixtures("quiet_processing_logs")
+def test_post_workers_process_runs_one_pass_for_the_admin(
+    client: FlaskClient,
+    make_company: MakeCompany,
+    created_task: CreatedTask,
+    admin_headers: dict[str, str],
+) -> None:
+    company = make_company()
+    tasks = [created_task(company) for _ in range(3)]
+
+    response = client.post("/workers/process", headers=admin_headers)
+
+    assert response.status_code == 200
+    assert json_of(response) == {
+        "claimed": 3, "completed": 3, "retried": 0, "failed": 0, "released": 0, "lease_lost": 0,
+    }  # fmt: skip
+    for task in tasks:
+        shown = client.get(f"/companies/{company.id}/tasks/{task['id']}", headers=company.headers)
+        assert json_of(shown)["status"] == "completed"
+
+
+def test_post_workers_process_needs_the_admin_token(
+    client: FlaskClient, make_company: MakeCompany
+) -> None:
+    company = make_company()
+    assert client.post("/workers/process").status_code == 401
+    response = client.post("/workers/process", headers=company.headers)
+    assert response.status_code == 401
+    assert response.headers["WWW-Authenticate"].startswith("Bearer")

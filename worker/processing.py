@@ -1,0 +1,573 @@
+"""One processing pass: sweep poison pills, claim a batch, run each task, finalize it.
+
+Used by worker children (`worker.child`), by `python -m worker --once` and by
+`POST /workers/process`. The claim and every finalization are short transactions of their
+own; handlers run holding no transaction and no row lock (STYLE "Database"; procrastinate
+`fetch_job` / `finish_job`).
+
+While the batch runs, a lease keeper thread (its own sessions) refreshes the leases the pass
+still holds every `heartbeat_interval` (DESIGN §4 Heartbeat), so a long task is never
+reclaimed while its worker is alive, and writes completions in batches: one fenced
+`UPDATE ... FROM unnest(...)` and one commit for all completions older than
+`COMPLETION_FLUSH_SECONDS`, instead of one commit per task. The pass flushes the rest before it
+returns. Every database call of the pass is serialized by one lock, so a session factory
+bound to a single connection (tests) is safe too.
+
+Metrics stay out of this module: the caller passes a `PassObserver` (the worker's
+Prometheus counters implement it); the default observes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from db import queue
+from db.engine import make_sessionmaker
+from worker import backoff, tasktypes
+from worker.errors import PermanentTaskError
+from worker.tasktypes.base import HandlerConfig, TaskContext
+
+log = logging.getLogger("fairq.worker.processing")
+
+T = TypeVar("T")
+
+# A completion waits at most about this long (plus one keeper tick) before it is written:
+# batching cuts commits per task, waiting longer would only delay the caller's visibility.
+COMPLETION_FLUSH_SECONDS = 0.1
+# How often the lease keeper wakes to look for due heartbeats and completions.
+KEEPER_TICK_SECONDS = 0.05
+
+
+class PassSettings(Protocol):
+    """What a pass needs to know; `worker.settings.WorkerSettings` satisfies it."""
+
+    @property
+    def batch_size(self) -> int:
+        """Most tasks claimed per pass."""
+        ...
+
+    @property
+    def per_company_cap(self) -> int:
+        """Most tasks of one company per pass (fairness, DESIGN §1.3)."""
+        ...
+
+    @property
+    def stale_after(self) -> float:
+        """Seconds without a heartbeat after which a lease may be taken over."""
+        ...
+
+    @property
+    def effective_heartbeat_interval(self) -> float:
+        """Seconds between lease refreshes; must be well below `stale_after`."""
+        ...
+
+    @property
+    def handler_config(self) -> HandlerConfig:
+        """Settings handed to handlers."""
+        ...
+
+
+@dataclass(frozen=True)
+class PassDefaults:
+    """`PassSettings` with the worker's defaults, for callers without `WorkerSettings`."""
+
+    batch_size: int = 100
+    per_company_cap: int = 10
+    stale_after: float = 300.0
+    heartbeat_interval: float | None = None
+    handler_config: HandlerConfig = field(default_factory=HandlerConfig)
+
+    @property
+    def effective_heartbeat_interval(self) -> float:
+        """`heartbeat_interval`, else `stale_after / 5` (DESIGN §4)."""
+        return self.heartbeat_interval or self.stale_after / 5
+
+
+class PassObserver(Protocol):
+    """Receives what a pass did, for metrics (DESIGN §7). Methods must not raise."""
+
+    def claimed(self, n: int) -> None:
+        """`n` tasks were claimed."""
+
+    def claim_seconds(self, seconds: float) -> None:
+        """The claim transaction took `seconds`."""
+
+    def completed(self, task_type: str, seconds: float) -> None:
+        """A task completed after its handler ran `seconds`."""
+
+    def retried(self, task_type: str, seconds: float | None = None) -> None:
+        """An attempt failed and the task was scheduled again."""
+
+    def failed(self, task_type: str, seconds: float | None = None) -> None:
+        """A task failed for good (`seconds` None when no handler ran)."""
+
+    def released(self, n: int) -> None:
+        """`n` claimed tasks were handed back unstarted."""
+
+    def lease_lost(self, n: int = 1) -> None:
+        """`n` fenced statements matched nothing: the lease had been taken over."""
+
+
+class NoopObserver:
+    """A `PassObserver` that records nothing."""
+
+    def claimed(self, n: int) -> None:
+        """Ignore."""
+
+    def claim_seconds(self, seconds: float) -> None:
+        """Ignore."""
+
+    def completed(self, task_type: str, seconds: float) -> None:
+        """Ignore."""
+
+    def retried(self, task_type: str, seconds: float | None = None) -> None:
+        """Ignore."""
+
+    def failed(self, task_type: str, seconds: float | None = None) -> None:
+        """Ignore."""
+
+    def released(self, n: int) -> None:
+        """Ignore."""
+
+    def lease_lost(self, n: int = 1) -> None:
+        """Ignore."""
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What one pass did; the body of `POST /workers/process`.
+
+    `failed` includes poison pills the sweep failed before the claim; `lease_lost` counts
+    tasks whose finalization (or start) found the lease taken over.
+    """
+
+    claimed: int = 0
+    completed: int = 0
+    retried: int = 0
+    failed: int = 0
+    released: int = 0
+    lease_lost: int = 0
+
+
+SessionSource = Callable[[], Session] | Engine
+StopFlag = threading.Event | Callable[[], bool] | None
+
+
+def process_batch(
+    sessions: SessionSource,
+    *,
+    worker_id: str,
+    settings: PassSettings | None = None,
+    stop: StopFlag = None,
+    observer: PassObserver | None = None,
+    rng: random.Random | None = None,
+) -> PassResult:
+    """Run one pass: sweep, claim up to `settings.batch_size` tasks, run and finalize each.
+
+    `sessions` is a session factory (or an engine to build one from); `worker_id` is stored
+    in `locked_by` (`host:pid`). `stop` is checked before the claim and before each task:
+    once set, the unstarted rest of the batch is released (DESIGN §4 Release) and the pass
+    returns. A handler's `Exception` never escapes: `PermanentTaskError`, an unknown type or
+    a last attempt fails the task, anything else retries it after `worker.backoff.delay`.
+    A `BaseException` (KeyboardInterrupt, SystemExit) propagates after the pass writes its
+    completions and releases the unstarted rest; the interrupted task is left to lease
+    expiry. Database errors propagate.
+    """
+    factory = make_sessionmaker(sessions) if isinstance(sessions, Engine) else sessions
+    return _Pass(
+        factory,
+        worker_id=worker_id,
+        settings=settings or PassDefaults(),
+        stop=_stop_predicate(stop),
+        observer=observer or NoopObserver(),
+        rng=rng,
+    ).run()
+
+
+def _stop_predicate(stop: StopFlag) -> Callable[[], bool]:
+    if stop is None:
+        return lambda: False
+    if isinstance(stop, threading.Event):
+        return stop.is_set
+    return stop
+
+
+@dataclass
+class _Tally:
+    claimed: int = 0
+    completed: int = 0
+    retried: int = 0
+    failed: int = 0
+    released: int = 0
+    lease_lost: int = 0
+
+    def result(self) -> PassResult:
+        return PassResult(
+            self.claimed, self.completed, self.retried, self.failed, self.released, self.lease_lost
+        )
+
+
+@dataclass(frozen=True)
+class _Done:
+    task: queue.ClaimedTask
+    seconds: float
+    at: float  # time.monotonic() when the handler returned
+
+
+def _describe_error(exc: BaseException) -> str:
+    message = str(exc)
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+class _Pass:
+    """The state of one pass, shared by the main thread and the lease keeper."""
+
+    def __init__(
+        self,
+        factory: Callable[[], Session],
+        *,
+        worker_id: str,
+        settings: PassSettings,
+        stop: Callable[[], bool],
+        observer: PassObserver,
+        rng: random.Random | None,
+    ) -> None:
+        heartbeat_interval = settings.effective_heartbeat_interval
+        if not 0 < heartbeat_interval < settings.stale_after:
+            raise ValueError(
+                f"heartbeat interval {heartbeat_interval}s must be positive and below "
+                f"stale_after {settings.stale_after}s, or leases expire while tasks run"
+            )
+        self.factory = factory
+        self.worker_id = worker_id
+        self.settings = settings
+        self.stop = stop
+        self.observer = observer
+        self.rng = rng
+        self.heartbeat_interval = heartbeat_interval
+        self.tally = _Tally()
+        # _db serializes database use between the two threads; _state guards what follows.
+        self._db = threading.Lock()
+        self._state = threading.Lock()
+        self._held: dict[uuid.UUID, queue.Lease] = {}
+        self._lost: set[uuid.UUID] = set()
+        self._done: list[_Done] = []
+        self._confirmed_at = 0.0  # time.monotonic() when every held lease was last confirmed
+
+    # -- the main thread ------------------------------------------------------------------
+
+    def run(self) -> PassResult:
+        with self.factory() as session:
+            self._sweep(session)
+            if self.stop():
+                return self.tally.result()
+            batch = self._claim(session)
+            if not batch:
+                return self.tally.result()
+            keeper = _LeaseKeeper(self)
+            keeper.start()
+            try:
+                self._run_batch(session, batch)
+            finally:
+                keeper.close()
+            self.flush_completions(session, force=True)
+        return self.tally.result()
+
+    def _sweep(self, session: Session) -> None:
+        lost = self._write(
+            session, lambda: queue.fail_lost_tasks(session, stale_after=self.settings.stale_after)
+        )
+        for task in lost:
+            log.warning(
+                "task %s (company %s, type %s) failed: worker lost on each of %d attempts "
+                "(last holder %s)",
+                task.id, task.company_id, task.type, task.attempts, task.locked_by,
+            )  # fmt: skip
+            self.tally.failed += 1
+            self.observer.failed(task.type)
+
+    def _claim(self, session: Session) -> list[queue.ClaimedTask]:
+        # Taken before the statement: the leases' locked_at (its now()) is no earlier.
+        leased_at = time.monotonic()
+        started = time.perf_counter()
+        # The commit right after the claim releases its advisory lock: next claimer, go.
+        batch = self._write(
+            session,
+            lambda: queue.claim(
+                session,
+                worker_id=self.worker_id,
+                batch_size=self.settings.batch_size,
+                per_company_cap=self.settings.per_company_cap,
+                stale_after=self.settings.stale_after,
+            ),
+        )
+        seconds = time.perf_counter() - started
+        self.observer.claim_seconds(seconds)
+        self.observer.claimed(len(batch))
+        self.tally.claimed = len(batch)
+        self._confirmed_at = leased_at
+        with self._state:
+            self._held = {task.id: task.lease for task in batch}
+        if batch:
+            log.info("claimed %d tasks in %.1f ms", len(batch), seconds * 1000)
+        for task in batch:
+            log.debug(
+                "claimed task %s (company %s, type %s, attempt %d/%d)",
+                task.id, task.company_id, task.type, task.attempts, task.max_attempts,
+            )  # fmt: skip
+        return batch
+
+    def _run_batch(self, session: Session, batch: Sequence[queue.ClaimedTask]) -> None:
+        index = 0
+        try:
+            for index, task in enumerate(batch):
+                if self.stop():
+                    self.flush_completions(session, force=True)
+                    self._release(session, batch[index:])
+                    return
+                self._confirm_leases(session)
+                if self._is_lost(task):
+                    continue
+                self._run_one(session, task)
+        except BaseException:
+            # KeyboardInterrupt or SystemExit in a handler, or a database error: write what
+            # succeeded and hand back what never started if the database lets us, then let
+            # it propagate. The task in hand stays processing; lease expiry recovers it.
+            try:
+                self.flush_completions(session, force=True)
+                self._release(session, batch[index + 1 :])
+            except Exception:
+                log.exception("could not hand back the rest of the batch")
+            raise
+
+    def _confirm_leases(self, session: Session) -> None:
+        # The keeper refreshes leases in the background; if it has fallen behind (database
+        # hiccup), find out which leases are still ours before starting anything, or a task
+        # another worker took over could run twice at once (DESIGN §1.2).
+        if time.monotonic() - self._confirmed_at > self.settings.stale_after / 2:
+            self.heartbeat(session)
+
+    def _is_lost(self, task: queue.ClaimedTask) -> bool:
+        with self._state:
+            if task.id not in self._lost:
+                return False
+            self._lost.discard(task.id)
+            self._held.pop(task.id, None)
+        log.warning(
+            "task %s (company %s, type %s) not started: its lease was taken over",
+            task.id, task.company_id, task.type,
+        )  # fmt: skip
+        self._count_lease_lost()
+        return True
+
+    def _run_one(self, session: Session, task: queue.ClaimedTask) -> None:
+        task_type = tasktypes.get(task.type)
+        if task_type is None:
+            error = f"unknown task type {task.type!r} (registered: {', '.join(tasktypes.names())})"
+            self._fail(session, task, error, seconds=None)
+            return
+        context = TaskContext(
+            task_id=task.id,
+            company_id=task.company_id,
+            type=task.type,
+            payload=task.payload,
+            attempt=task.attempts,
+            max_attempts=task.max_attempts,
+            config=self.settings.handler_config,
+        )
+        started = time.perf_counter()
+        try:
+            task_type.handler(context)
+        except PermanentTaskError as exc:
+            self._fail(session, task, _describe_error(exc), time.perf_counter() - started)
+        except Exception as exc:
+            seconds = time.perf_counter() - started
+            if task.attempts >= task.max_attempts:
+                error = f"gave up after {task.attempts} attempts: {_describe_error(exc)}"
+                self._fail(session, task, error, seconds)
+            else:
+                self._retry(session, task, exc, seconds)
+        else:
+            seconds = time.perf_counter() - started
+            with self._state:
+                self._done.append(_Done(task, seconds, time.monotonic()))
+            log.debug(
+                "task %s (company %s, type %s) attempt %d succeeded in %.3fs",
+                task.id, task.company_id, task.type, task.attempts, seconds,
+            )  # fmt: skip
+
+    def _fail(
+        self, session: Session, task: queue.ClaimedTask, error: str, seconds: float | None
+    ) -> None:
+        held = self._write(
+            session, lambda: queue.fail_task(session, task.id, task.lease_token, error=error)
+        )
+        self._forget(task)
+        if not held:
+            self._report_lease_lost(task, "fail")
+            return
+        log.warning(
+            "task %s (company %s, type %s) failed on attempt %d/%d after %s: %s",
+            task.id, task.company_id, task.type, task.attempts, task.max_attempts,
+            "no run" if seconds is None else f"{seconds:.3f}s", error,
+        )  # fmt: skip
+        self.tally.failed += 1
+        self.observer.failed(task.type, seconds)
+
+    def _retry(
+        self, session: Session, task: queue.ClaimedTask, exc: Exception, seconds: float
+    ) -> None:
+        delay = backoff.delay(task.attempts, rng=self.rng)
+        error = _describe_error(exc)
+        held = self._write(
+            session,
+            lambda: queue.schedule_retry(
+                session, task.id, task.lease_token, delay_seconds=delay, error=error
+            ),
+        )
+        self._forget(task)
+        if not held:
+            self._report_lease_lost(task, "retry")
+            return
+        log.warning(
+            "task %s (company %s, type %s) attempt %d/%d failed after %.3fs, retry in %.1fs: %s",
+            task.id, task.company_id, task.type, task.attempts, task.max_attempts, seconds,
+            delay, error,
+        )  # fmt: skip
+        # The traceback helps with handler bugs; it names code, never the payload.
+        log.debug("traceback of task %s", task.id, exc_info=exc)
+        self.tally.retried += 1
+        self.observer.retried(task.type, seconds)
+
+    def _release(self, session: Session, tasks: Sequence[queue.ClaimedTask]) -> None:
+        with self._state:
+            # A lease the keeper already saw taken over is not ours to release.
+            leases = [t.lease for t in tasks if t.id in self._held and t.id not in self._lost]
+        if not leases:
+            return
+        released = self._write(session, lambda: queue.release_tasks(session, leases))
+        for task in tasks:
+            self._forget(task)
+        log.info("released %d unstarted tasks", len(released))
+        self.tally.released += len(released)
+        self.observer.released(len(released))
+        for lease in leases:
+            if lease.task_id not in released:
+                log.warning("task %s not released: its lease was taken over", lease.task_id)
+                self._count_lease_lost()
+
+    def _forget(self, task: queue.ClaimedTask) -> None:
+        with self._state:
+            self._held.pop(task.id, None)
+
+    def _report_lease_lost(self, task: queue.ClaimedTask, action: str) -> None:
+        log.warning(
+            "task %s (company %s, type %s) attempt %d: lease lost, %s changed nothing",
+            task.id, task.company_id, task.type, task.attempts, action,
+        )  # fmt: skip
+        self._count_lease_lost()
+
+    def _count_lease_lost(self) -> None:
+        with self._state:
+            self.tally.lease_lost += 1
+        self.observer.lease_lost()
+
+    # -- shared with the lease keeper -----------------------------------------------------
+
+    def _write(self, session: Session, statement: Callable[[], T]) -> T:
+        """Run `statement` in a transaction of its own on `session`, one thread at a time."""
+        with self._db:
+            try:
+                result = statement()
+                session.commit()
+            except BaseException:
+                session.rollback()
+                raise
+        return result
+
+    def flush_completions(self, session: Session, *, force: bool) -> None:
+        """Write pending completions in one fenced statement (all, or those due if not force)."""
+        with self._state:
+            if not self._done:
+                return
+            if not force and time.monotonic() - self._done[0].at < COMPLETION_FLUSH_SECONDS:
+                return
+            done, self._done = self._done, []
+        try:
+            completed = self._write(
+                session, lambda: queue.complete_tasks(session, [d.task.lease for d in done])
+            )
+        except BaseException:
+            with self._state:
+                self._done[:0] = done  # keep them for the next flush
+            raise
+        for item in done:
+            self._forget(item.task)
+            task = item.task
+            if task.id not in completed:
+                self._report_lease_lost(task, "complete")
+                continue
+            log.info(
+                "task %s (company %s, type %s) completed on attempt %d in %.3fs",
+                task.id, task.company_id, task.type, task.attempts, item.seconds,
+            )  # fmt: skip
+            with self._state:
+                self.tally.completed += 1
+            self.observer.completed(task.type, item.seconds)
+
+    def heartbeat(self, session: Session) -> None:
+        """Refresh every held lease; remember the ones found taken over."""
+        with self._state:
+            leases = list(self._held.values())
+        if not leases:
+            return
+        leased_at = time.monotonic()
+        refreshed = self._write(session, lambda: queue.heartbeat(session, leases))
+        self._confirmed_at = leased_at
+        lost = {lease.task_id for lease in leases} - refreshed
+        if lost:
+            log.warning(
+                "%d of %d leases were taken over before their heartbeat", len(lost), len(leases)
+            )
+            with self._state:
+                # Still held means not finalized meanwhile: really lost, not just done.
+                self._lost |= {task_id for task_id in lost if task_id in self._held}
+
+
+class _LeaseKeeper(threading.Thread):
+    """Heartbeats held leases and flushes due completions until closed."""
+
+    def __init__(self, owner: _Pass) -> None:
+        super().__init__(name="fairq-lease-keeper", daemon=True)
+        self.owner = owner
+        self._closed = threading.Event()
+
+    def run(self) -> None:
+        owner = self.owner
+        next_beat = time.monotonic() + owner.heartbeat_interval
+        with owner.factory() as session:
+            while not self._closed.wait(min(KEEPER_TICK_SECONDS, owner.heartbeat_interval)):
+                try:
+                    if time.monotonic() >= next_beat:
+                        next_beat = time.monotonic() + owner.heartbeat_interval
+                        owner.heartbeat(session)
+                    owner.flush_completions(session, force=False)
+                except Exception:
+                    # A failed beat or flush is retried next tick; the main thread's final
+                    # flush reports what still fails.
+                    log.exception("lease keeper: database call failed")
+
+    def close(self) -> None:
+        """Stop and wait for the thread (at most one database call in flight)."""
+        self._closed.set()
+        self.join()
