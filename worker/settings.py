@@ -7,6 +7,7 @@ validated the same way and every error names its variable.
 from __future__ import annotations
 
 import os
+from collections import ChainMap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,9 +46,7 @@ def env_url(env: Mapping[str, str], name: str = "DATABASE_URL") -> str:
     return value
 
 
-def env_int(
-    env: Mapping[str, str], name: str, default: int, *, minimum: int, maximum: int
-) -> int:
+def env_int(env: Mapping[str, str], name: str, default: int, *, minimum: int, maximum: int) -> int:
     """An integer in [minimum, maximum]; raises `SettingsError` naming `name` otherwise."""
     raw = env.get(name, "").strip()
     if not raw:
@@ -120,12 +119,18 @@ class WorkerSettings:
         return self.heartbeat_interval or self.stale_after / 5
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
-        """Read settings from `environ` (default `os.environ`).
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, overrides: Mapping[str, str] | None = None
+    ) -> WorkerSettings:
+        """Read settings from `environ` (default `os.environ`), `overrides` taking precedence.
 
-        Raises `SettingsError` naming the variable when a value is missing or invalid.
+        `overrides` maps variable names to values given another way (the worker's command-line
+        flags), so they are validated exactly like the environment. Raises `SettingsError`
+        naming the variable when a value is missing or invalid.
         """
-        env = os.environ if environ is None else environ
+        env: Mapping[str, str] = os.environ if environ is None else environ
+        if overrides:
+            env = ChainMap(dict(overrides), dict(env))
         log_level = env_str(env, "LOG_LEVEL", "INFO").upper()
         if log_level not in LOG_LEVELS:
             raise SettingsError(f"LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}")

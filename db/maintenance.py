@@ -1,0 +1,51 @@
+"""Housekeeping statements of the worker: retention of finished tasks (DESIGN §4 Retention).
+
+Callers own the session and commit, as in `db.queue`.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import CursorResult, text
+from sqlalchemy.orm import Session
+
+# Key of the transaction-scoped advisory lock that admits one retention runner at a time
+# across every host ("fairqrt" in ASCII).
+RETENTION_LOCK_KEY = 0x66_61_69_72_71_72_74
+
+# Rows per DELETE: small statements hold row locks briefly and keep WAL bursts short.
+RETENTION_BATCH_SIZE = 1000
+
+_TRY_LOCK = text("SELECT pg_try_advisory_xact_lock(:key)")
+
+_DELETE_EXPIRED = text(
+    """
+DELETE FROM tasks
+WHERE id IN (
+    SELECT id
+    FROM tasks
+    -- Repeats the predicate of ix_tasks_terminal_finished_at, so the planner may use it: an
+    -- ordered range scan over terminal rows only, oldest first, stopping after :limit.
+    WHERE status IN ('completed', 'failed', 'cancelled')
+      AND finished_at < now() - make_interval(secs => CAST(:retention AS float8))
+    ORDER BY finished_at
+    LIMIT :limit
+)
+"""
+)
+
+
+def delete_expired_tasks(
+    session: Session, *, retention_seconds: float, limit: int = RETENTION_BATCH_SIZE
+) -> int | None:
+    """Delete up to `limit` terminal tasks finished more than `retention_seconds` ago.
+
+    Returns how many were deleted, or None when another session holds the retention lock
+    (a runner elsewhere is at it; try again later). The lock is transaction-scoped: it is
+    released by the caller's commit, so call this once per transaction and loop while it
+    returns `limit`.
+    """
+    if not session.scalar(_TRY_LOCK, {"key": RETENTION_LOCK_KEY}):
+        return None
+    result = session.execute(_DELETE_EXPIRED, {"retention": retention_seconds, "limit": limit})
+    assert isinstance(result, CursorResult)  # DML: the count is on the cursor result
+    return result.rowcount

@@ -1,0 +1,292 @@
+"""Drain throughput of the real worker supervisor (DESIGN §9): noop tasks per second.
+
+Each run empties the tables, inserts `--tasks` pending `noop` tasks spread evenly over
+`--companies` companies, starts `python -m worker` with `--concurrency` children and waits
+until every task is completed. Throughput is tasks / (last `finished_at` - first
+`started_at`), both from the database clock, so process start-up is not counted. Prints each
+run, the median of `--runs`, and the average claim time from the supervisor's metrics.
+
+PostgreSQL: `--database-url`, else an embedded PostgreSQL 16 with its data in
+`.pgdata/bench-throughput` (durable defaults: fsync and synchronous_commit on, unless
+`--fast-commit`), stopped at the end.
+
+Usage:
+    PYTHONPATH=. .venv/bin/python scripts/bench_throughput.py [--tasks 20000]
+        [--companies 50] [--runs 3] [--concurrency 2] [--batch-size 100]
+        [--log-level WARNING] [--fast-commit]
+        [--database-url postgresql+psycopg://postgres@127.0.0.1:5432/fairq_bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import Engine, pool, text
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from db.embedded import EmbeddedPostgres, free_port  # noqa: E402  (needs the repo on sys.path)
+from db.engine import make_engine  # noqa: E402
+from scripts import perf_seed  # noqa: E402
+
+
+@contextmanager
+def bench_database(url: str | None, name: str, *, fast_commit: bool) -> Iterator[str]:
+    """Yield a migrated database URL: `url`, else an embedded server in `.pgdata/bench-<name>`."""
+    embedded: EmbeddedPostgres | None = None
+    if url is None:
+        options = {"max_connections": "200"}
+        if fast_commit:
+            options["synchronous_commit"] = "off"
+        embedded = EmbeddedPostgres(
+            ROOT / ".pgdata" / f"bench-{name}", free_port(), options=options
+        )
+        embedded.stop()  # a server left running by an interrupted run listens on another port
+        embedded.start()
+        url = embedded.url(f"fairq_bench_{name}")
+    elif url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url[len("postgresql://") :]
+    try:
+        perf_seed.ensure_database(url)
+        perf_seed.migrate(url)
+        yield url
+    finally:
+        if embedded is not None:
+            embedded.stop()
+
+
+def engine_for(url: str) -> Engine:
+    """An engine whose connections never outlive their use (the server may be stopped)."""
+    return make_engine(url, application_name="fairq-bench", poolclass=pool.NullPool)
+
+
+def reset(engine: Engine) -> None:
+    """Empty the tables and refresh statistics, so every run starts alike."""
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE tasks, companies"))
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE tasks, companies"))
+
+
+def seed_companies(engine: Engine, count: int) -> list[str]:
+    """Insert `count` companies; return their ids."""
+    with engine.begin() as conn:
+        return [
+            str(company_id)
+            for company_id in conn.execute(
+                text(
+                    "INSERT INTO companies (name, api_key_hash) "
+                    "SELECT 'bench-' || g, md5('bench' || g || random()) "
+                    "FROM generate_series(1, :n) g RETURNING id"
+                ),
+                {"n": count},
+            ).scalars()
+        ]
+
+
+def seed_tasks(engine: Engine, companies: list[str], count: int) -> None:
+    """Insert `count` pending noop tasks, round-robin over `companies`, oldest first."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO tasks (company_id, type, payload, created_at, run_after) "
+                "SELECT (CAST(:companies AS uuid[]))[1 + g % :n], 'noop', '{}', "
+                "       now() + g * interval '1 microsecond', now() "
+                "FROM generate_series(0, :count - 1) g"
+            ),
+            {"companies": companies, "n": len(companies), "count": count},
+        )
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("ANALYZE tasks"))
+
+
+@dataclass
+class Supervisor:
+    """A `python -m worker` subprocess with its output in `workdir`."""
+
+    proc: subprocess.Popen[bytes]
+    workdir: Path
+
+    def port(self, timeout: float = 30.0) -> int:
+        """The metrics port, once written."""
+        path = self.workdir / "metrics.port"
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"supervisor did not start:\n{self.log()[-3000:]}")
+            time.sleep(0.05)
+        return int(path.read_text())
+
+    def metrics(self) -> dict[str, float]:
+        """One scrape of the supervisor's /metrics, as {'name{labels}': value}."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port()}/metrics", timeout=5) as r:
+            body = r.read().decode()
+        samples = {}
+        for line in body.splitlines():
+            match = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)$", line)
+            if match:
+                samples[match.group(1)] = float(match.group(2))
+        return samples
+
+    def log(self) -> str:
+        """What the process tree wrote to stderr."""
+        return (self.workdir / "stderr.log").read_text(errors="replace")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait; SIGKILL if it does not stop in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def start_supervisor(url: str, workdir: Path, **env: str) -> Supervisor:
+    """Start `python -m worker` on `url`, metrics on a free port, output into `workdir`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    environment = {
+        **os.environ,
+        "DATABASE_URL": url,
+        "PYTHONPATH": str(ROOT),
+        "WORKER_METRICS_PORT": "0",
+        "PROMETHEUS_MULTIPROC_DIR": str(workdir / "prometheus"),
+        **env,
+    }
+    with (workdir / "stdout.log").open("wb") as out, (workdir / "stderr.log").open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "--metrics-port-file", str(workdir / "metrics.port")],
+            cwd=ROOT, env=environment, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    return Supervisor(proc, workdir)
+
+
+def completed(engine: Engine) -> int:
+    """How many tasks are completed."""
+    with engine.connect() as conn:
+        return int(
+            conn.execute(text("SELECT count(*) FROM tasks WHERE status = 'completed'")).scalar_one()
+        )
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One drain: tasks, seconds between first start and last finish, claims seen."""
+
+    tasks: int
+    seconds: float
+    claims: float
+    claim_seconds: float
+
+    @property
+    def rate(self) -> float:
+        """Tasks per second."""
+        return self.tasks / self.seconds
+
+
+def run_once(engine: Engine, url: str, args: argparse.Namespace, workdir: Path) -> RunResult:
+    """Seed, drain with a fresh supervisor, measure."""
+    reset(engine)
+    seed_tasks(engine, seed_companies(engine, args.companies), args.tasks)
+    sup = start_supervisor(
+        url,
+        workdir,
+        WORKER_CONCURRENCY=str(args.concurrency),
+        WORKER_BATCH_SIZE=str(args.batch_size),
+        LOG_LEVEL=args.log_level,
+    )
+    try:
+        deadline = time.monotonic() + args.timeout
+        while completed(engine) < args.tasks:
+            if sup.proc.poll() is not None:
+                raise RuntimeError(f"supervisor exited:\n{sup.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not drained after {args.timeout}s")
+            time.sleep(0.25)
+        metrics = sup.metrics()
+    finally:
+        status = sup.stop()
+    if status != 0:
+        raise RuntimeError(f"supervisor exited with {status}:\n{sup.log()[-3000:]}")
+    with engine.connect() as conn:
+        seconds = conn.execute(
+            text("SELECT extract(epoch FROM max(finished_at) - min(started_at)) FROM tasks")
+        ).scalar_one()
+    return RunResult(
+        args.tasks,
+        float(seconds),
+        metrics.get("claim_duration_seconds_count", 0.0),
+        metrics.get("claim_duration_seconds_sum", 0.0),
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=20_000)
+    parser.add_argument("--companies", type=int, default=50)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument(
+        "--log-level", default="WARNING",
+        help="LOG_LEVEL of the worker (INFO logs a line per task, which costs throughput)",
+    )  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run at most")
+    parser.add_argument(
+        "--fast-commit", action="store_true",
+        help="embedded server only: synchronous_commit=off (commits skip the WAL flush wait)",
+    )  # fmt: skip
+    parser.add_argument("--database-url", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print the results."""
+    args = parse_args(argv)
+    with (
+        bench_database(args.database_url, "throughput", fast_commit=args.fast_commit) as url,
+        tempfile.TemporaryDirectory(prefix="fairq-bench-") as tmp,
+    ):
+        engine = engine_for(url)
+        try:
+            results = []
+            for run in range(1, args.runs + 1):
+                result = run_once(engine, url, args, Path(tmp) / f"run-{run}")
+                results.append(result)
+                claim_ms = 1000 * result.claim_seconds / result.claims if result.claims else 0
+                print(
+                    f"run {run}: {result.tasks} tasks in {result.seconds:.3f} s = "
+                    f"{result.rate:,.0f} tasks/s ({result.claims:.0f} claims, "
+                    f"mean claim {claim_ms:.1f} ms)",
+                    flush=True,
+                )
+            median = statistics.median(r.rate for r in results)
+            print(
+                f"median of {args.runs}: {median:,.0f} tasks/s "
+                f"({args.tasks} noop tasks, {args.companies} companies, "
+                f"{args.concurrency} children, batch {args.batch_size}, "
+                f"log level {args.log_level})"
+            )
+        finally:
+            engine.dispose()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

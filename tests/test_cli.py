@@ -1,0 +1,97 @@
+"""`python -m worker` command line (DESIGN §5, §8): help, --once, configuration errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine
+
+from tests import supervisor_harness as harness
+from worker import cli
+
+
+def _run(tmp_path: Path, *args: str, **env: str | None) -> tuple[int, str, str]:
+    """Run `python -m worker *args` to completion; return (status, stdout, stderr)."""
+    environment = {**os.environ, "PYTHONPATH": str(harness.ROOT)}
+    for key, value in env.items():
+        if value is None:
+            environment.pop(key, None)
+        else:
+            environment[key] = value
+    out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        status = subprocess.run(
+            [sys.executable, "-m", "worker", *args],
+            cwd=harness.ROOT, env=environment, stdout=stdout, stderr=stderr,
+            stdin=subprocess.DEVNULL, timeout=60, check=False,
+        ).returncode  # fmt: skip
+    return status, out.read_text(), err.read_text()
+
+
+def test_help_documents_every_flag_with_its_variable(tmp_path: Path) -> None:
+    status, out, _ = _run(tmp_path, "--help")
+    assert status == 0
+    for flag in cli.FLAGS:
+        assert flag.flag in out
+        assert flag.variable in out
+    for extra in ("--once", "--metrics-port-file", "DATABASE_URL", "SHUTDOWN_TIMEOUT_SECONDS"):
+        assert extra in out
+
+
+def test_once_runs_one_pass_and_prints_its_counts(
+    tmp_path: Path, fresh_db_url: str, fresh_engine: Engine
+) -> None:
+    company = harness.add_company(fresh_engine)
+    harness.add_tasks(fresh_engine, company, 3)
+    harness.add_tasks(fresh_engine, company, type="no_such_type")
+
+    status, out, err = _run(
+        tmp_path, "--once", DATABASE_URL=fresh_db_url, LOG_FORMAT="json", LOG_LEVEL="INFO"
+    )
+
+    assert status == 0, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary == {
+        "claimed": 4, "completed": 3, "retried": 0, "failed": 1, "released": 0, "lease_lost": 0,
+    }  # fmt: skip
+    assert harness.status_counts(fresh_engine) == {"completed": 3, "failed": 1}
+    records = [json.loads(line) for line in err.splitlines()]  # LOG_FORMAT=json: one per line
+    assert {"time", "level", "logger", "pid", "message"} <= records[0].keys()
+    assert any(r["level"] == "WARNING" and "no_such_type" in r["message"] for r in records)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "names"),
+    [
+        ((), {"WORKER_CONCURRENCY": "0"}, ["WORKER_CONCURRENCY"]),
+        (("--batch-size", "zero"), {}, ["WORKER_BATCH_SIZE", "--batch-size"]),
+        (("--poll-interval", "-1"), {}, ["WORKER_POLL_INTERVAL", "--poll-interval"]),
+        ((), {"DATABASE_URL": None}, ["DATABASE_URL"]),
+        ((), {"LOG_LEVEL": "LOUD"}, ["LOG_LEVEL"]),
+    ],
+)
+def test_invalid_configuration_exits_2_naming_the_variable(
+    tmp_path: Path, args: tuple[str, ...], env: dict[str, str | None], names: list[str]
+) -> None:
+    environment: dict[str, str | None] = {
+        "DATABASE_URL": "postgresql+psycopg://postgres@127.0.0.1:1/none", **env,
+    }  # fmt: skip
+    status, _, err = _run(tmp_path, *args, **environment)
+    assert status == 2
+    assert "invalid configuration" in err
+    for name in names:
+        assert name in err
+
+
+def test_taken_metrics_port_exits_1_with_a_message(tmp_path: Path, fresh_db_url: str) -> None:
+    with socket.create_server(("0.0.0.0", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        status, _, err = _run(tmp_path, "--metrics-port", port, DATABASE_URL=fresh_db_url)
+    assert status == 1
+    assert f"cannot serve metrics on 0.0.0.0:{port}" in err

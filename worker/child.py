@@ -1,0 +1,407 @@
+"""A worker child (DESIGN §5): claims and runs batches until told to stop.
+
+Forked by `worker.supervisor`. In order, a child:
+
+1. undoes what it inherited: the supervisor's signal handlers go back to default (the
+   supervisor calls `reset_inherited_signals` first thing after fork, and closes its wakeup
+   pipe, metrics sockets and sibling pipes), then `main` installs the child's own: TERM, INT
+   and QUIT set the stop flag; HUP, TTIN and TTOU are the supervisor's business and ignored;
+2. boots: builds its own engine (the supervisor never has one), checks that the database
+   answers and is migrated, and tells the supervisor on its status pipe, `booted` or
+   `error: <reason>` followed by exit status `BOOT_ERROR`;
+3. loops: one processing pass; if it claimed anything, the next at once; otherwise it waits
+   for a NOTIFY on `settings.notify_channel` or `poll_interval`, whichever comes first.
+   NOTIFY is only a hint: a lost listener is reconnected with backoff and polling alone stays
+   correct. A database error never ends the child: it logs, backs off (0.5 s doubling to
+   10 s) and tries again, so a PostgreSQL restart costs a few seconds, not the process;
+4. stops when the stop flag is set (the pass finishes the task in hand and releases the rest
+   of its batch) or when its parent is gone (`os.getppid()` changed; checked before every
+   task and at least every `ORPHAN_CHECK_SECONDS` while waiting), then exits 0.
+
+Every `MAINTENANCE_INTERVAL_SECONDS` a child also tries the retention step
+(`db.maintenance`); an advisory lock lets one runner at a time do it, across all hosts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import select
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import psycopg
+from psycopg import sql
+from sqlalchemy import Engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from db import engine as db_engine
+from db import maintenance
+from worker.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from worker import metrics
+
+log = logging.getLogger("fairq.worker.child")
+
+# Exit status of a child that could not boot (gunicorn's WORKER_BOOT_ERROR is 3 too).
+BOOT_ERROR = 3
+# Lines a child writes on its status pipe.
+STATUS_BOOTED = "booted"
+STATUS_ERROR = "error:"
+
+# application_name of a child's connections (operators and tests find them by it).
+APPLICATION_NAME = "fairq-worker"
+LISTEN_APPLICATION_NAME = "fairq-worker-listen"
+
+ORPHAN_CHECK_SECONDS = 1.0
+# Backoff after a database error, and between attempts to re-LISTEN.
+RETRY_BACKOFF_MIN_SECONDS = 0.5
+RETRY_BACKOFF_MAX_SECONDS = 10.0
+
+MAINTENANCE_INTERVAL_SECONDS = 60.0
+# One retention run stops after this long, so a large backlog does not stall processing.
+MAINTENANCE_BUDGET_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class Inherited:
+    """What the supervisor hands a freshly forked child.
+
+    `status_fd`: write end of the status pipe (None outside a supervisor);
+    `signal_mask`: the mask to restore once the child's own handlers are in place (the
+    supervisor blocks its signals around fork).
+    """
+
+    parent_pid: int
+    status_fd: int | None
+    signal_mask: frozenset[signal.Signals]
+
+
+def reset_inherited_signals() -> None:
+    """Put every Python-level signal handler back to default and drop the wakeup fd."""
+    signal.set_wakeup_fd(-1)
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+        except ValueError:  # pragma: no cover  (signals Python cannot query)
+            continue
+        if callable(handler):
+            signal.signal(sig, signal.SIG_DFL)
+
+
+def main(settings: WorkerSettings, inherited: Inherited) -> int:
+    """Run a child until it is told to stop or orphaned; return its exit status."""
+    return Child(settings, inherited).run()
+
+
+class _Backoff:
+    """Capped exponential delays: `minimum`, twice that, ... up to `maximum`."""
+
+    def __init__(self, minimum: float, maximum: float) -> None:
+        self._minimum = minimum
+        self._maximum = maximum
+        self._next = minimum
+
+    def next(self) -> float:
+        """The delay to wait now; the following one doubles."""
+        delay = self._next
+        self._next = min(self._next * 2, self._maximum)
+        return delay
+
+    def reset(self) -> None:
+        """Back to the minimum after a success."""
+        self._next = self._minimum
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Tell whether a database error is one to wait out (connection lost, server down).
+
+    Anything else (a bug, a missing column) propagates and ends the child, so that it shows
+    up as a crash and a restart rather than as a quiet retry loop.
+    """
+    if isinstance(exc, OperationalError | InterfaceError | psycopg.OperationalError):
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
+
+def _brief(exc: BaseException) -> str:
+    """The first line of a driver error, without SQLAlchemy's statement dump."""
+    inner = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    first = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {first[0] if first else ''}"
+
+
+class Listener:
+    """A dedicated autocommit connection that LISTENs on the task channel.
+
+    `fileno()` is None while disconnected; `drain()` returns how many notifications were
+    waiting, and raises `psycopg.Error` (after closing) when the connection is gone.
+    """
+
+    def __init__(self, database_url: str, channel: str) -> None:
+        self._conninfo = make_url(database_url).set(drivername="postgresql").render_as_string(False)
+        self._channel = channel
+        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+
+    def connect(self) -> None:
+        """Open the connection and LISTEN; raises `psycopg.Error` on failure."""
+        self.close()
+        conn = psycopg.connect(
+            self._conninfo,
+            autocommit=True,
+            application_name=LISTEN_APPLICATION_NAME,
+            connect_timeout=5,
+        )
+        try:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+
+    def fileno(self) -> int | None:
+        """The socket to wait on, or None while disconnected."""
+        return None if self._conn is None else self._conn.fileno()
+
+    def drain(self) -> int:
+        """Consume every notification already received; return how many."""
+        if self._conn is None:
+            return 0
+        try:
+            return sum(1 for _ in self._conn.notifies(timeout=0))
+        except psycopg.Error:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Close the connection, if open."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class Child:
+    """The state of one child process; `run()` is its whole life after the fork."""
+
+    def __init__(self, settings: WorkerSettings, inherited: Inherited) -> None:
+        self.settings = settings
+        self.inherited = inherited
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
+        self._stop = threading.Event()
+        self._orphaned = False
+        self._wake_r, self._wake_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+        self._engine: Engine | None = None
+        self._sessions: sessionmaker[Session] | None = None
+        self._metrics: metrics.TaskMetrics | None = None
+        self._listener = Listener(settings.database_url, settings.notify_channel)
+        self._listen_backoff = _Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
+        self._listen_retry_at = 0.0
+        self._next_maintenance = time.monotonic() + random.uniform(0, 10)
+
+    def run(self) -> int:
+        """Install signal handlers, boot, loop until stopped; return the exit status."""
+        self._install_signal_handlers()
+        try:
+            reason = self._boot()
+            if reason is not None:
+                if self.inherited.status_fd is None:  # else the supervisor logs it
+                    log.error("child %d could not boot: %s", os.getpid(), reason)
+                self._report(f"{STATUS_ERROR} {reason}")
+                return BOOT_ERROR
+            self._report(STATUS_BOOTED)
+            log.info("child %d ready", os.getpid())
+            self._loop()
+            log.info("child %d stopping%s", os.getpid(), " (orphaned)" if self._orphaned else "")
+            return 0
+        finally:
+            self._close()
+
+    # -- setup ----------------------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> None:
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+            signal.signal(sig, self._on_stop_signal)
+        # Job-control and hangup signals that reach the whole process group are for the
+        # supervisor; their default actions would stop or kill a child mid-task.
+        for sig in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU):
+            signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.inherited.signal_mask)
+
+    def _on_stop_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only records: the pass checks the flag before each task, the wait wakes on the pipe.
+        self._stop.set()
+
+    def _boot(self) -> str | None:
+        """Prepare everything the loop needs; return why that failed, or None."""
+        try:
+            # Imported here, after the fork: a module that fails to import is a boot error
+            # of this child, reported to the supervisor, rather than a crash.
+            from worker import metrics, processing  # noqa: PLC0415, F401
+
+            self._metrics = metrics.TaskMetrics()
+        except Exception as exc:
+            log.exception("importing the processing code failed")
+            return f"cannot import the processing code: {exc!r}"
+        try:
+            self._engine = db_engine.make_engine(
+                self.settings.database_url, application_name=APPLICATION_NAME
+            )
+            self._sessions = db_engine.make_sessionmaker(self._engine)
+            with self._engine.connect() as conn:
+                # The table the child works on: an unmigrated database is a boot error.
+                conn.execute(text("SELECT 1 FROM tasks LIMIT 0"))
+        except DBAPIError as exc:
+            return f"database unreachable or not migrated ({_brief(exc)})"
+        try:
+            self._listener.connect()
+        except psycopg.Error as exc:  # not fatal: polling alone works
+            log.warning("cannot LISTEN yet (%s); polling meanwhile", _brief(exc))
+            self._listen_retry_at = time.monotonic() + self._listen_backoff.next()
+        return None
+
+    def _report(self, line: str) -> None:
+        if self.inherited.status_fd is None:
+            return
+        # OSError: the supervisor is gone; the orphan check will stop us.
+        with contextlib.suppress(OSError):
+            os.write(self.inherited.status_fd, (line[:1000] + "\n").encode("utf-8", "replace"))
+
+    def _close(self) -> None:
+        self._listener.close()
+        if self._engine is not None:
+            self._engine.dispose()
+        signal.set_wakeup_fd(-1)
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        if self.inherited.status_fd is not None:
+            os.close(self.inherited.status_fd)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def should_stop(self) -> bool:
+        """The stop flag the processing pass checks before each task: TERM or orphaned."""
+        if not self._stop.is_set() and os.getppid() != self.inherited.parent_pid:
+            log.warning("supervisor %d is gone; stopping", self.inherited.parent_pid)
+            self._orphaned = True
+            self._stop.set()
+        return self._stop.is_set()
+
+    def _loop(self) -> None:
+        backoff = _Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
+        while not self.should_stop():
+            try:
+                claimed = self._process_once()
+                backoff.reset()
+                self._maybe_maintain()
+            except (DBAPIError, psycopg.Error) as exc:
+                if not is_transient(exc):
+                    raise
+                delay = backoff.next()
+                log.warning("database error: %s; retrying in %.1fs", _brief(exc), delay)
+                self._wait(delay, listen=False)
+                continue
+            if claimed == 0:
+                self._wait(self.settings.poll_interval, listen=True)
+            # Else at once: a batch that claimed anything suggests more is eligible. Not only
+            # a full one: `per_company_cap` makes a short batch normal while work remains.
+
+    def _process_once(self) -> int:
+        """Run one processing pass; return how many tasks it claimed."""
+        from worker import processing  # noqa: PLC0415  (imported by _boot already)
+
+        assert self._sessions is not None
+        result = processing.process_batch(
+            self._sessions,
+            worker_id=self.worker_id,
+            settings=self.settings,
+            stop=self.should_stop,
+            observer=self._metrics,
+        )
+        return result.claimed
+
+    def _wait(self, timeout: float, *, listen: bool) -> None:
+        """Sleep up to `timeout`; sooner on a stop signal or, when `listen`, a NOTIFY."""
+        deadline = time.monotonic() + timeout
+        while not self.should_stop():
+            now = time.monotonic()
+            relisten = listen and self._listener.fileno() is None and now >= self._listen_retry_at
+            if relisten and self._relisten():
+                return  # notifications may have been missed meanwhile: look now
+            remaining = deadline - now
+            if remaining <= 0:
+                return
+            fds = [self._wake_r]
+            listen_fd = self._listener.fileno() if listen else None
+            if listen_fd is not None:
+                fds.append(listen_fd)
+            ready, _, _ = select.select(fds, [], [], min(remaining, ORPHAN_CHECK_SECONDS))
+            if self._wake_r in ready:
+                self._drain_wakeups()
+            if listen_fd is not None and listen_fd in ready:
+                try:
+                    if self._listener.drain():
+                        return
+                except psycopg.Error as exc:
+                    log.warning("LISTEN connection lost (%s); polling meanwhile", _brief(exc))
+                    self._listen_retry_at = time.monotonic() + self._listen_backoff.next()
+
+    def _relisten(self) -> bool:
+        try:
+            self._listener.connect()
+        except psycopg.Error as exc:
+            delay = self._listen_backoff.next()
+            log.warning("cannot LISTEN (%s); retrying in %.1fs", _brief(exc), delay)
+            self._listen_retry_at = time.monotonic() + delay
+            return False
+        self._listen_backoff.reset()
+        log.info("listening on %s again", self.settings.notify_channel)
+        return True
+
+    def _drain_wakeups(self) -> None:
+        while True:
+            try:
+                if not os.read(self._wake_r, 512):
+                    return
+            except (BlockingIOError, InterruptedError):
+                return
+
+    def _maybe_maintain(self) -> None:
+        """Run the retention step when it is due (at most `MAINTENANCE_BUDGET_SECONDS`).
+
+        `TASK_RETENTION_DAYS=0` disables retention rather than deleting every finished task
+        at once.
+        """
+        now = time.monotonic()
+        if now < self._next_maintenance:
+            return
+        self._next_maintenance = now + MAINTENANCE_INTERVAL_SECONDS
+        if self.settings.retention_days <= 0:
+            return
+        assert self._sessions is not None
+        retention = self.settings.retention_days * 86400.0
+        deleted = 0
+        while not self.should_stop() and time.monotonic() - now < MAINTENANCE_BUDGET_SECONDS:
+            with self._sessions() as session:
+                count = maintenance.delete_expired_tasks(session, retention_seconds=retention)
+                session.commit()
+            if count is None:  # another runner holds the lock
+                break
+            deleted += count
+            if count < maintenance.RETENTION_BATCH_SIZE:
+                break
+        if deleted:
+            log.info("retention: deleted %d tasks finished over %g days ago", deleted,
+                     self.settings.retention_days)  # fmt: skip

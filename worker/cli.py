@@ -1,0 +1,150 @@
+"""`python -m worker`: run the supervisor, or one processing pass with `--once` (DESIGN §5).
+
+Flags mirror settings: each one overrides its environment variable and is validated the
+same way (`WorkerSettings.from_env`). Exit statuses: 0 stopped on request; 1 cannot start
+(metrics port taken, database error in `--once`); 2 invalid configuration (the message names
+the variable); 3 children could not boot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy.exc import DBAPIError
+
+from worker import logging as worker_logging
+from worker.settings import SettingsError, WorkerSettings
+
+SETTINGS_ERROR_EXIT = 2
+
+
+@dataclass(frozen=True)
+class _Flag:
+    flag: str
+    variable: str
+    metavar: str
+    help: str
+
+
+# Each flag and the variable it overrides; --help shows both, and the variable's default.
+FLAGS = (
+    _Flag("--concurrency", "WORKER_CONCURRENCY", "N", "worker children to keep running (1..256)"),
+    _Flag("--batch-size", "WORKER_BATCH_SIZE", "N", "tasks claimed per batch (1..10000)"),
+    _Flag(
+        "--per-company-cap", "WORKER_PER_COMPANY_CAP", "N",
+        "at most this many tasks of one company per batch (1..10000)",
+    ),
+    _Flag(
+        "--poll-interval", "WORKER_POLL_INTERVAL", "SECONDS",
+        "how long an idle child waits for a NOTIFY before polling (0.01..3600)",
+    ),
+    _Flag(
+        "--metrics-port", "WORKER_METRICS_PORT", "PORT",
+        "port of the supervisor's /metrics and /health (0: any free port)",
+    ),
+)  # fmt: skip
+
+_DEFAULTS = {
+    "WORKER_CONCURRENCY": "2",
+    "WORKER_BATCH_SIZE": "100",
+    "WORKER_PER_COMPANY_CAP": "10",
+    "WORKER_POLL_INTERVAL": "1",
+    "WORKER_METRICS_PORT": "9100",
+}
+
+EPILOG = """\
+Other settings come from the environment only: DATABASE_URL (required), STALE_AFTER_SECONDS,
+SHUTDOWN_TIMEOUT_SECONDS, PROMETHEUS_MULTIPROC_DIR, TASK_RETENTION_DAYS, NOTIFY_CHANNEL,
+SMTP_URL, SMTP_FROM, WEBHOOK_ALLOW_PRIVATE, WEBHOOK_TIMEOUT_SECONDS, LOG_LEVEL, LOG_FORMAT.
+
+Signals to the supervisor: TERM/INT graceful stop; QUIT stop within a second; TTIN/TTOU one
+child more/fewer; HUP rolling restart of the children.
+Exit status: 0 stopped; 1 cannot start (e.g. metrics port taken); 2 invalid configuration;
+3 children could not boot."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser; every setting flag names its environment variable."""
+    parser = argparse.ArgumentParser(
+        prog="python -m worker",
+        description="fairq worker supervisor: forks children that claim and run tasks.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for flag in FLAGS:
+        parser.add_argument(
+            flag.flag,
+            metavar=flag.metavar,
+            dest=flag.variable,
+            help=f"{flag.help}; env {flag.variable}, default {_DEFAULTS[flag.variable]}",
+        )
+    parser.add_argument(
+        "--once",
+        action="store_true",
+        help="run one processing pass in this process (no fork), print its counts as JSON and exit",
+    )
+    parser.add_argument(
+        "--metrics-port-file",
+        metavar="PATH",
+        type=Path,
+        help="write the metrics port to PATH once listening (useful with --metrics-port 0)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse `argv`, read settings, run; return the exit status."""
+    args = build_parser().parse_args(argv)
+    overrides = {
+        flag.variable: getattr(args, flag.variable)
+        for flag in FLAGS
+        if getattr(args, flag.variable) is not None
+    }
+    try:
+        settings = WorkerSettings.from_env(overrides=overrides)
+    except SettingsError as exc:
+        given = [
+            f.flag for f in FLAGS if f.variable in overrides and str(exc).startswith(f.variable)
+        ]
+        source = f" (given as {given[0]})" if given else ""
+        print(f"fairq worker: invalid configuration: {exc}{source}", file=sys.stderr)
+        return SETTINGS_ERROR_EXIT
+    worker_logging.configure(settings.log_level, settings.log_format)
+    if args.once:
+        return run_once(settings)
+    from worker import supervisor  # noqa: PLC0415  (keeps --once free of the fork machinery)
+
+    try:
+        return supervisor.Supervisor(settings, metrics_port_file=args.metrics_port_file).run()
+    except supervisor.SupervisorError as exc:
+        print(f"fairq worker: cannot start: {exc}", file=sys.stderr)
+        return 1
+
+
+def run_once(settings: WorkerSettings) -> int:
+    """One processing pass in this process; print `{claimed, completed, ...}` as one line."""
+    from db import engine as db_engine  # noqa: PLC0415
+    from worker import processing  # noqa: PLC0415
+
+    engine = db_engine.make_engine(settings.database_url, application_name="fairq-worker-once")
+    try:
+        result = processing.process_batch(
+            db_engine.make_sessionmaker(engine),
+            worker_id=f"{socket.gethostname()}:{os.getpid()}",
+            settings=settings,
+        )
+    except DBAPIError as exc:
+        print(f"fairq worker: database error: {exc.orig or exc}", file=sys.stderr)
+        return 1
+    finally:
+        engine.dispose()
+    print(json.dumps(dataclasses.asdict(result)), flush=True)
+    return 0

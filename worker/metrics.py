@@ -1,0 +1,297 @@
+"""Worker metrics (DESIGN §7) in Prometheus multiprocess mode, and the port that serves them.
+
+Import this module only after `PROMETHEUS_MULTIPROC_DIR` is set (`worker.supervisor` does it
+first): `prometheus_client` picks its value storage when it is first imported, and metrics
+created before that stay in one process's memory, invisible to the supervisor's scrape.
+
+Children record task metrics through `TaskMetrics` (one set per child, written to that
+child's files); the supervisor serves the sum over every child's files, plus the two metrics
+only it knows (`worker_children`, `worker_child_restarts_total`), from `MetricsServer`, which
+its own select loop drives: no threads in a process that forks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import generate_latest as _generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("fairq.worker.metrics")
+
+# Handlers range from a no-op (microseconds) to `sleep` and webhooks (up to minutes).
+TASK_DURATION_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+# The claim is one statement: a few milliseconds when healthy (DESIGN §4 claim evidence).
+CLAIM_DURATION_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+)  # fmt: skip
+
+
+class TaskMetrics:
+    """The task metrics of one child; the processing pass reports to it as its observer.
+
+    Create it in the child, after the fork. The metrics are not registered anywhere: in
+    multiprocess mode their values live in this process's files, which the supervisor's
+    `MultiProcessCollector` reads. `type` labels are registered task type names only, so
+    their number is bounded (DESIGN §7).
+    """
+
+    def __init__(self) -> None:
+        self.tasks_claimed = Counter(
+            "tasks_claimed_total", "Tasks moved to processing by a claim.", registry=None
+        )
+        self.tasks_completed = Counter(
+            "tasks_completed_total", "Tasks completed.", ["type"], registry=None
+        )
+        self.tasks_retried = Counter(
+            "tasks_retried_total", "Task attempts that failed and were scheduled again.",
+            ["type"], registry=None,
+        )  # fmt: skip
+        self.tasks_failed = Counter(
+            "tasks_failed_total", "Tasks failed for good.", ["type"], registry=None
+        )
+        self.tasks_released = Counter(
+            "tasks_released_total", "Claimed tasks handed back unstarted (shutdown).",
+            registry=None,
+        )  # fmt: skip
+        self.tasks_lease_lost = Counter(
+            "tasks_lease_lost_total",
+            "Finalizations refused because the lease had been taken over.",
+            registry=None,
+        )
+        self.task_duration = Histogram(
+            "task_duration_seconds", "Handler run time per task.", ["type"],
+            buckets=TASK_DURATION_BUCKETS, registry=None,
+        )  # fmt: skip
+        self.claim_duration = Histogram(
+            "claim_duration_seconds", "Duration of one claim transaction.",
+            buckets=CLAIM_DURATION_BUCKETS, registry=None,
+        )  # fmt: skip
+
+    def claimed(self, n: int) -> None:
+        """`n` tasks were claimed."""
+        if n:
+            self.tasks_claimed.inc(n)
+
+    def claim_seconds(self, seconds: float) -> None:
+        """One claim transaction took `seconds`."""
+        self.claim_duration.observe(seconds)
+
+    def completed(self, task_type: str, seconds: float) -> None:
+        """A `task_type` task completed after running `seconds`."""
+        self.tasks_completed.labels(task_type).inc()
+        self.task_duration.labels(task_type).observe(seconds)
+
+    def retried(self, task_type: str, seconds: float | None = None) -> None:
+        """A `task_type` attempt failed and was scheduled again (after running `seconds`)."""
+        self.tasks_retried.labels(task_type).inc()
+        if seconds is not None:
+            self.task_duration.labels(task_type).observe(seconds)
+
+    def failed(self, task_type: str, seconds: float | None = None) -> None:
+        """A `task_type` task failed for good (after running `seconds`)."""
+        self.tasks_failed.labels(task_type).inc()
+        if seconds is not None:
+            self.task_duration.labels(task_type).observe(seconds)
+
+    def released(self, n: int) -> None:
+        """`n` claimed tasks were handed back unstarted."""
+        if n:
+            self.tasks_released.inc(n)
+
+    def lease_lost(self, n: int = 1) -> None:
+        """`n` finalizations matched no row: the lease had been taken over."""
+        if n:
+            self.tasks_lease_lost.inc(n)
+
+
+class SupervisorCollector(Collector):
+    """`worker_children` and `worker_child_restarts_total`, read from the supervisor at scrape.
+
+    The supervisor is the only process that knows them, and it serves the scrape itself, so
+    they need no multiprocess files (and no gauge mode that a dead child could leave behind).
+    """
+
+    def __init__(self, children: Callable[[], int], restarts: Callable[[], int]) -> None:
+        self._children = children
+        self._restarts = restarts
+
+    def describe(self) -> list[Metric]:
+        """Nothing to describe ahead of a scrape."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield the current child count and restart total."""
+        yield GaugeMetricFamily(
+            "worker_children", "Worker children alive (retiring ones included).",
+            value=self._children(),
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "worker_child_restarts", "Children that died unexpectedly and were replaced.",
+            value=self._restarts(),
+        )  # fmt: skip
+
+
+def render(extra: Collector) -> bytes:
+    """The Prometheus text of every child's metrics files plus `extra`'s metrics."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # untyped library
+    registry.register(extra)
+    return _generate_latest(registry)
+
+
+# A scrape request is a few hundred bytes; anything this large is not one.
+_MAX_REQUEST_BYTES = 8192
+# A client that has not sent its request by then is dropped (it holds a file descriptor).
+_CLIENT_TIMEOUT_SECONDS = 5.0
+# Bounds how long one slow reader can hold up the supervisor loop while we send.
+_SEND_TIMEOUT_SECONDS = 2.0
+
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+}
+
+
+@dataclass
+class _Client:
+    sock: socket.socket
+    deadline: float
+    buffer: bytearray = field(default_factory=bytearray)
+
+
+class MetricsServer:
+    """A minimal HTTP server for `GET /metrics` and `GET /health`, driven by a select loop.
+
+    The owner polls `sockets()` for readability and passes the ready ones to `handle()`. One
+    request per connection (`Connection: close`); the response is written with a short
+    blocking send, so a stalled reader delays the owner by at most `_SEND_TIMEOUT_SECONDS`.
+    `port` is the bound port (useful with port 0).
+    """
+
+    def __init__(self, host: str, port: int, metrics: Callable[[], bytes]) -> None:
+        self._metrics = metrics
+        self._listener = socket.create_server((host, port), backlog=64)
+        self._listener.setblocking(False)
+        self._clients: dict[int, _Client] = {}
+
+    @property
+    def port(self) -> int:
+        """The port the server listens on."""
+        port: int = self._listener.getsockname()[1]
+        return port
+
+    def sockets(self) -> list[socket.socket]:
+        """The listening socket and every open client connection."""
+        return [self._listener, *(client.sock for client in self._clients.values())]
+
+    def handle(self, ready: Iterable[int]) -> None:
+        """Accept or serve the ready file descriptors that are ours; drop idle clients."""
+        for fd in ready:
+            if fd == self._listener.fileno():
+                self._accept()
+            elif fd in self._clients:
+                self._read(self._clients[fd])
+        now = time.monotonic()
+        for client in [c for c in self._clients.values() if c.deadline < now]:
+            self._drop(client)
+
+    def owns(self, fd: int) -> bool:
+        """Tell whether `fd` is the listener or one of our client connections."""
+        return fd == self._listener.fileno() or fd in self._clients
+
+    def close(self) -> None:
+        """Close the listener and every client connection."""
+        for client in list(self._clients.values()):
+            self._drop(client)
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. EMFILE: keep serving the clients we have
+                log.warning("metrics server cannot accept: %s", exc)
+                return
+            sock.setblocking(False)
+            deadline = time.monotonic() + _CLIENT_TIMEOUT_SECONDS
+            self._clients[sock.fileno()] = _Client(sock, deadline)
+
+    def _read(self, client: _Client) -> None:
+        try:
+            chunk = client.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(client)
+            return
+        if not chunk:
+            self._drop(client)
+            return
+        client.buffer += chunk
+        if b"\r\n\r\n" in client.buffer or b"\n\n" in client.buffer:
+            self._respond(client)
+        elif len(client.buffer) > _MAX_REQUEST_BYTES:
+            self._send(client, 431, "text/plain", b"request header fields too large\n")
+
+    def _respond(self, client: _Client) -> None:
+        request_line = bytes(client.buffer).split(b"\n", 1)[0].decode("latin-1").strip()
+        parts = request_line.split()
+        if len(parts) < 2:
+            self._send(client, 400, "text/plain", b"bad request\n")
+            return
+        method, target = parts[0], parts[1]
+        path = target.split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            self._send(client, 405, "text/plain", b"method not allowed\n", head=False)
+        elif path == "/metrics":
+            try:
+                body = self._metrics()
+            except Exception:  # a broken metrics file must not take the supervisor down
+                log.exception("rendering metrics failed")
+                self._send(client, 500, "text/plain", b"metrics unavailable\n")
+                return
+            self._send(client, 200, CONTENT_TYPE_LATEST, body, head=method == "HEAD")
+        elif path == "/health":
+            body = json.dumps({"status": "ok"}).encode() + b"\n"
+            self._send(client, 200, "application/json", body, head=method == "HEAD")
+        else:
+            self._send(client, 404, "text/plain", b"not found\n", head=method == "HEAD")
+
+    def _send(
+        self, client: _Client, status: int, content_type: str, body: bytes, *, head: bool = False
+    ) -> None:
+        reason = _REASONS[status]
+        header = (
+            f"HTTP/1.1 {status} {reason}\r\n"
+            f"Content-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode("latin-1")
+        try:
+            client.sock.settimeout(_SEND_TIMEOUT_SECONDS)
+            client.sock.sendall(header if head else header + body)
+        except OSError as exc:
+            log.debug("metrics client went away: %s", exc)
+        self._drop(client)
+
+    def _drop(self, client: _Client) -> None:
+        self._clients.pop(client.sock.fileno(), None)
+        client.sock.close()

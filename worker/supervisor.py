@@ -1,0 +1,600 @@
+"""The worker supervisor (DESIGN §5): forks children and keeps the right number alive.
+
+Modelled on gunicorn's arbiter. One single-threaded loop:
+
+- Signal handlers only record: `signal.set_wakeup_fd` makes the C-level handler write each
+  signal number into a non-blocking pipe, which is what wakes the loop's `poll()`; the Python
+  handler itself does nothing. The loop reads the numbers back and dispatches, in order, to
+  `handle_term`, `handle_int`, `handle_quit`, `handle_ttin`, `handle_ttou`, `handle_hup`
+  and `handle_chld`. No work ever happens inside a handler.
+- Then it reaps (`waitpid(-1, WNOHANG)` until nothing is left), kills retired children that
+  outlived `shutdown_timeout`, and runs `reconcile()`, the one idempotent step that spawns
+  missing children and retires the oldest surplus ones.
+- The same `poll()` serves the metrics port (`worker.metrics.MetricsServer`) and reads each
+  child's status pipe, on which a child reports that it booted or why it could not.
+
+Signals: TERM and INT stop gracefully (TERM to every child, reap every 100 ms for up to
+`shutdown_timeout`, then KILL what is left); QUIT is the same with a one-second grace
+(`QUICK_SHUTDOWN_SECONDS`) so children can still hand back unstarted tasks; a QUIT during a
+graceful stop shortens it the same way. TTIN/TTOU add or remove one child (never below one;
+the oldest is retired with TERM). HUP replaces every child, one at a time, each old child
+retired only once its replacement has booted.
+
+Exit status of `run()`: 0 when stopped by a signal; `BOOT_FAILED_EXIT` when children failed
+to boot `BOOT_FAILURE_LIMIT` times in a row, with the last child's reason logged.
+
+The supervisor never opens a database connection, and starts no thread: the children it
+forks inherit nothing they could share by mistake.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import select
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from worker import child
+from worker import logging as worker_logging
+from worker.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from worker import metrics
+
+log = logging.getLogger("fairq.worker.supervisor")
+
+# The signals the loop handles; blocked around fork() so no supervisor handler runs in a
+# child before the child has installed its own.
+SIGNALS = (
+    signal.SIGHUP, signal.SIGQUIT, signal.SIGINT, signal.SIGTERM,
+    signal.SIGTTIN, signal.SIGTTOU, signal.SIGCHLD,
+)  # fmt: skip
+SIGNAL_NAMES: dict[int, str] = {int(sig): sig.name[3:].lower() for sig in SIGNALS}
+
+# Exit status of the supervisor when children keep failing to boot (gunicorn uses 3 too).
+BOOT_FAILED_EXIT = 3
+# Boot failures in a row, without a successful boot in between and within the window, that
+# stop the supervisor instead of crash-looping against a database that is not there.
+BOOT_FAILURE_LIMIT = 5
+BOOT_FAILURE_WINDOW_SECONDS = 60.0
+
+# Respawn delay after an unexpected death: base * 2**(deaths in the window - 1), capped.
+RESTART_BACKOFF_BASE_SECONDS = 0.25
+RESTART_BACKOFF_MAX_SECONDS = 10.0
+RESTART_BACKOFF_WINDOW_SECONDS = 60.0
+
+# Grace of SIGQUIT: long enough for children to hand back their unstarted tasks.
+QUICK_SHUTDOWN_SECONDS = 1.0
+# How often the graceful stop reaps (SIGCHLD wakes it sooner).
+STOP_REAP_INTERVAL_SECONDS = 0.1
+# After SIGKILL, how long to wait for the kernel to hand back the corpses.
+KILL_REAP_SECONDS = 5.0
+# Upper bound of one loop iteration: retire deadlines and idle clients are checked this often.
+TICK_SECONDS = 1.0
+MAX_CHILDREN = 256
+
+ChildMain = Callable[[WorkerSettings, child.Inherited], int]
+
+
+class SupervisorError(RuntimeError):
+    """The supervisor cannot start (metrics port taken, ...); the message says why."""
+
+
+@dataclass
+class ChildProcess:
+    """What the supervisor knows about one forked child.
+
+    `started_at` is monotonic; `generation` is the HUP generation it was spawned in;
+    `status_fd` is the read end of its status pipe (-1 once closed).
+    """
+
+    pid: int
+    started_at: float
+    generation: int
+    status_fd: int
+    status: bytes = b""
+    booted: bool = False
+    retiring: bool = False
+    kill_at: float | None = None
+    killed: bool = False
+
+    @property
+    def boot_error(self) -> str:
+        """The reason the child sent before exiting with `child.BOOT_ERROR`, if any."""
+        for line in self.status.decode("utf-8", "replace").splitlines():
+            if line.startswith(child.STATUS_ERROR):
+                return line[len(child.STATUS_ERROR) :].strip()
+        return "no reason given (see the child's log above)"
+
+
+@dataclass(frozen=True)
+class _StopRequest:
+    reason: str
+    timeout: float
+    exit_code: int = 0
+
+
+class Supervisor:
+    """Keeps `settings.concurrency` children running until told to stop; see the module doc.
+
+    `metrics_port_file`: where to write the metrics port once listening (for port 0).
+    `child_main`: what a forked child runs (tests may substitute it).
+    """
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        *,
+        metrics_port_file: Path | None = None,
+        child_main: ChildMain = child.main,
+    ) -> None:
+        self.settings = settings
+        self.desired = settings.concurrency
+        self.children: dict[int, ChildProcess] = {}
+        self.restarts = 0
+        self._child_main = child_main
+        self._metrics_port_file = metrics_port_file
+        self._generation = 0
+        self._stop: _StopRequest | None = None
+        self._spawn_after = 0.0
+        self._deaths: collections.deque[float] = collections.deque()
+        self._boot_failures: collections.deque[float] = collections.deque()
+        self._wake_r = -1
+        self._wake_w = -1
+        self._server: metrics.MetricsServer | None = None
+        self._own_metrics_dir: Path | None = None
+        self._stopping = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run until stopped; return the exit status (0, or `BOOT_FAILED_EXIT`).
+
+        Raises `SupervisorError` when it cannot start.
+        """
+        try:
+            self._setup()
+            log.info(
+                "supervisor %s starting %d children (batch %d, cap %d, poll %.2fs)",
+                os.getpid(), self.desired, self.settings.batch_size,
+                self.settings.per_company_cap, self.settings.poll_interval,
+            )  # fmt: skip
+            while True:
+                self.reap()  # may request a stop: children that cannot boot
+                if self._stop_requested():
+                    break
+                self.kill_overdue()
+                self.reconcile()
+                for signum in self._wait(self._tick_timeout()):
+                    self._dispatch(signum)
+                if self._stop_requested():
+                    break
+            stop = self._stop
+            assert stop is not None
+            log.info("stopping (%s): %d children", stop.reason, len(self.children))
+            self.shutdown(stop.timeout)
+            if stop.exit_code:
+                log.error("supervisor stopped: %s", stop.reason)
+            else:
+                log.info("supervisor stopped")
+            return stop.exit_code
+        finally:
+            if self.children:  # only after an unexpected error: do not leave orphans behind
+                self.shutdown(QUICK_SHUTDOWN_SECONDS)
+            self._teardown()
+
+    def _stop_requested(self) -> bool:
+        return self._stop is not None
+
+    def _setup(self) -> None:
+        self._prepare_metrics_dir()
+        self._wake_r, self._wake_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in SIGNALS:
+            signal.signal(sig, _record_only)
+        # Imported only now: PROMETHEUS_MULTIPROC_DIR must be set before prometheus_client is.
+        from worker import metrics  # noqa: PLC0415
+
+        collector = metrics.SupervisorCollector(lambda: len(self.children), lambda: self.restarts)
+        host, port = self.settings.metrics_host, self.settings.metrics_port
+        try:
+            self._server = metrics.MetricsServer(host, port, lambda: metrics.render(collector))
+        except OSError as exc:
+            raise SupervisorError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
+        port = self._server.port
+        log.info("metrics and /health on http://%s:%d", self.settings.metrics_host, port)
+        if self._metrics_port_file is not None:
+            tmp = self._metrics_port_file.with_name(self._metrics_port_file.name + ".tmp")
+            tmp.write_text(f"{port}\n")
+            tmp.replace(self._metrics_port_file)  # readers never see a half-written file
+
+    def _prepare_metrics_dir(self) -> None:
+        """Create and empty the multiprocess directory, and point prometheus_client at it.
+
+        Emptied at start, else counters of an earlier run carry over (STACK.md); only `*.db`
+        files are removed, in case the variable points at a directory holding anything else.
+        """
+        if "prometheus_client" in sys.modules:
+            # Its value class is already chosen: every child's metrics would stay in memory.
+            raise SupervisorError("prometheus_client was imported before the metrics directory")
+        configured = self.settings.prometheus_multiproc_dir
+        if configured is None:
+            path = Path(tempfile.mkdtemp(prefix="fairq-worker-metrics-"))
+            self._own_metrics_dir = path
+        else:
+            path = configured
+            path.mkdir(parents=True, exist_ok=True)
+            for entry in path.glob("*.db"):
+                entry.unlink()
+        # The one write to the environment, and it must happen before the first import of
+        # prometheus_client in this process tree (children inherit it).
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+
+    def _teardown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        signal.set_wakeup_fd(-1)
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+        for proc in self.children.values():
+            self._close_status(proc)
+        if self._own_metrics_dir is not None:
+            shutil.rmtree(self._own_metrics_dir, ignore_errors=True)
+
+    # -- the loop's wait ------------------------------------------------------------------
+
+    def _tick_timeout(self) -> float:
+        timeout = TICK_SECONDS
+        if self._missing_children() and self._spawn_after > 0:
+            timeout = min(timeout, max(0.0, self._spawn_after - time.monotonic()))
+        for proc in self.children.values():
+            if proc.kill_at is not None and not proc.killed:
+                timeout = min(timeout, max(0.0, proc.kill_at - time.monotonic()))
+        return timeout
+
+    def _missing_children(self) -> bool:
+        return sum(1 for p in self.children.values() if not p.retiring) < self.desired
+
+    def _wait(self, timeout: float, *, serve: bool = True) -> list[int]:
+        """Sleep until a signal, child status, metrics request or `timeout`; return signals.
+
+        Child status pipes are always read; metrics clients only when `serve`.
+        """
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        status_fds = {p.status_fd: p for p in self.children.values() if p.status_fd >= 0}
+        for fd in status_fds:
+            poller.register(fd, select.POLLIN)
+        if serve and self._server is not None:
+            for sock in self._server.sockets():
+                poller.register(sock, select.POLLIN)
+        try:
+            events = poller.poll(max(0, int(timeout * 1000)))
+        except InterruptedError:  # pragma: no cover  (PEP 475 retries; kept for safety)
+            events = []
+        ready = [fd for fd, _ in events]
+        signals: list[int] = []
+        if self._wake_r in ready:
+            signals = self._drain_wakeups()
+        for fd in ready:
+            if fd in status_fds:
+                self._read_status(status_fds[fd])
+        if serve and self._server is not None:
+            self._server.handle(fd for fd in ready if self._server.owns(fd))
+        return signals
+
+    def _drain_wakeups(self) -> list[int]:
+        signals: list[int] = []
+        while True:
+            try:
+                data = os.read(self._wake_r, 512)
+            except (BlockingIOError, InterruptedError):
+                break
+            if not data:
+                break
+            signals.extend(data)  # set_wakeup_fd writes each signal's number as one byte
+        return signals
+
+    # -- signals --------------------------------------------------------------------------
+
+    def _dispatch(self, signum: int) -> None:
+        name = SIGNAL_NAMES.get(signum)
+        if name is None:
+            return
+        if name != "chld":
+            log.info("received SIG%s", name.upper())
+        handler: Callable[[], None] = getattr(self, f"handle_{name}")
+        handler()
+
+    def handle_term(self) -> None:
+        """Graceful stop: children finish their task in hand and release the rest."""
+        self._stop = _StopRequest("SIGTERM", self.settings.shutdown_timeout)
+
+    def handle_int(self) -> None:
+        """Same as TERM (Ctrl-C in a terminal)."""
+        self._stop = _StopRequest("SIGINT", self.settings.shutdown_timeout)
+
+    def handle_quit(self) -> None:
+        """Immediate stop: TERM, `QUICK_SHUTDOWN_SECONDS` of grace, then KILL."""
+        self._stop = _StopRequest(
+            "SIGQUIT", min(QUICK_SHUTDOWN_SECONDS, self.settings.shutdown_timeout)
+        )
+
+    def handle_ttin(self) -> None:
+        """One child more."""
+        self.desired = min(self.desired + 1, MAX_CHILDREN)
+        log.info("desired children: %d", self.desired)
+
+    def handle_ttou(self) -> None:
+        """One child fewer, never below one."""
+        self.desired = max(self.desired - 1, 1)
+        log.info("desired children: %d", self.desired)
+
+    def handle_hup(self) -> None:
+        """Rolling restart: every current child is replaced, one at a time."""
+        self._generation += 1
+        log.info("rolling restart of %d children", len(self.children))
+
+    def handle_chld(self) -> None:
+        """Nothing: a child exited, and the loop reaps right after dispatching."""
+
+    # -- children -------------------------------------------------------------------------
+
+    def reap(self) -> None:
+        """Collect every exited child and decide what its exit means."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            proc = self.children.pop(pid, None)
+            if proc is None:
+                continue
+            self._read_status(proc)
+            self._close_status(proc)
+            self._mark_dead(pid)
+            self._on_exit(proc, status)
+
+    def _on_exit(self, proc: ChildProcess, status: int) -> None:
+        now = time.monotonic()
+        if os.WIFEXITED(status):
+            code: int | None = os.WEXITSTATUS(status)
+            how = f"exit status {code}"
+        else:
+            code = None
+            sig = os.WTERMSIG(status)
+            how = f"killed by {signal.Signals(sig).name}"
+            if sig == signal.SIGKILL and not proc.killed:
+                # We send SIGKILL only to overdue or leftover children; anyone else's is
+                # almost always the kernel's out-of-memory killer.
+                how += " (likely out of memory: the OOM killer sends SIGKILL)"
+        if proc.retiring or self._stopping:
+            level = logging.INFO if code in (0, None) else logging.WARNING
+            log.log(level, "child %d exited (%s)", proc.pid, how)
+            return
+        self.restarts += 1
+        self._deaths.append(now)
+        while self._deaths and now - self._deaths[0] > RESTART_BACKOFF_WINDOW_SECONDS:
+            self._deaths.popleft()
+        delay = min(
+            RESTART_BACKOFF_BASE_SECONDS * 2 ** (len(self._deaths) - 1),
+            RESTART_BACKOFF_MAX_SECONDS,
+        )
+        self._spawn_after = now + delay
+        if code != child.BOOT_ERROR:
+            log.error(
+                "child %d died unexpectedly (%s); replacing it in %.2fs", proc.pid, how, delay
+            )
+            return
+        reason = proc.boot_error
+        self._boot_failures.append(now)
+        while self._boot_failures and now - self._boot_failures[0] > BOOT_FAILURE_WINDOW_SECONDS:
+            self._boot_failures.popleft()
+        if len(self._boot_failures) < BOOT_FAILURE_LIMIT:
+            log.error("child %d could not boot: %s; retrying in %.2fs", proc.pid, reason, delay)
+            return
+        log.error("child %d could not boot: %s", proc.pid, reason)
+        self._stop = _StopRequest(
+            f"children failed to boot {len(self._boot_failures)} times in a row; "
+            f"last reason: {reason}",
+            self.settings.shutdown_timeout,
+            BOOT_FAILED_EXIT,
+        )
+
+    def _mark_dead(self, pid: int) -> None:
+        # Drops the dead child's live-gauge files; its counters stay in the totals.
+        from prometheus_client import multiprocess  # noqa: PLC0415  (see _setup)
+
+        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]  # untyped library
+
+    def kill_overdue(self) -> None:
+        """SIGKILL retired children still running `shutdown_timeout` after their TERM."""
+        now = time.monotonic()
+        for proc in self.children.values():
+            if proc.kill_at is not None and proc.kill_at <= now and not proc.killed:
+                log.warning("retired child %d did not stop in time; killing it", proc.pid)
+                self._kill(proc)
+
+    def reconcile(self) -> None:
+        """Make the children match the desired count; safe to call any number of times.
+
+        Retires the oldest children beyond the desired count (one more is allowed while a
+        rolling restart has a replacement up), advances the rolling restart by at most one
+        child, and spawns missing children once the restart backoff has passed.
+        """
+        if self._stop is not None:
+            return
+        active = self._active()
+        outdated = [p for p in active if p.generation < self._generation]
+        allowance = 1 if outdated else 0
+        for proc in active[: max(0, len(active) - (self.desired + allowance))]:
+            self._retire(proc, "surplus")
+        active = self._active()
+        outdated = [p for p in active if p.generation < self._generation]
+        retiring = any(p.retiring for p in self.children.values())
+        if outdated and not retiring and len(active) > self.desired:
+            fresh = [p for p in active if p.generation == self._generation]
+            if all(p.booted for p in fresh):
+                self._retire(outdated[0], "rolling restart")
+                return
+        allowance = 1 if outdated and not retiring else 0
+        while len(self._active()) < self.desired + allowance:
+            if time.monotonic() < self._spawn_after:
+                return
+            if not self.spawn():
+                return
+
+    def _active(self) -> list[ChildProcess]:
+        """Children not being retired, oldest first."""
+        return sorted(
+            (p for p in self.children.values() if not p.retiring), key=lambda p: p.started_at
+        )
+
+    def _retire(self, proc: ChildProcess, why: str) -> None:
+        log.info("retiring child %d (%s)", proc.pid, why)
+        proc.retiring = True
+        proc.kill_at = time.monotonic() + self.settings.shutdown_timeout
+        self._signal(proc.pid, signal.SIGTERM)
+
+    def spawn(self) -> bool:
+        """Fork one child; return False when fork failed (retried after a delay)."""
+        status_r, status_w = os.pipe()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            os.close(status_r)
+            os.close(status_w)
+            log.error("fork failed: %s; retrying in 1s", exc)
+            self._spawn_after = time.monotonic() + 1.0
+            return False
+        if pid == 0:  # pragma: no cover  (runs in the child; covered by the process tests)
+            self._become_child(status_r, status_w, mask)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.close(status_w)
+        os.set_blocking(status_r, False)
+        self.children[pid] = ChildProcess(pid, time.monotonic(), self._generation, status_r)
+        log.info("spawned child %d", pid)
+        return True
+
+    def _become_child(self, status_r: int, status_w: int, mask: set[int | signal.Signals]) -> None:
+        """Turn this freshly forked process into a child; never returns."""
+        code = 1
+        try:
+            # First: nothing of the supervisor may run here (handlers, wakeup pipe, sockets).
+            child.reset_inherited_signals()
+            os.close(status_r)
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+            if self._server is not None:
+                self._server.close()
+            for proc in self.children.values():
+                if proc.status_fd >= 0:
+                    os.close(proc.status_fd)
+            inherited = child.Inherited(
+                parent_pid=os.getppid(),
+                status_fd=status_w,
+                signal_mask=frozenset(signal.Signals(sig) for sig in mask),
+            )
+            code = self._child_main(self.settings, inherited)
+        except BaseException:
+            log.exception("child %d crashed", os.getpid())
+            code = 1
+        finally:
+            worker_logging.flush()
+            os._exit(code)
+
+    def _read_status(self, proc: ChildProcess) -> None:
+        if proc.status_fd < 0:
+            return
+        while True:
+            try:
+                data = os.read(proc.status_fd, 4096)
+            except (BlockingIOError, InterruptedError):
+                return
+            if not data:
+                self._close_status(proc)
+                return
+            proc.status += data[: 4096 - len(proc.status)]
+            if not proc.booted and child.STATUS_BOOTED.encode() in proc.status:
+                proc.booted = True
+                self._boot_failures.clear()  # a boot in between: failures are no longer in a row
+
+    def _close_status(self, proc: ChildProcess) -> None:
+        if proc.status_fd >= 0:
+            os.close(proc.status_fd)
+            proc.status_fd = -1
+
+    def _kill(self, proc: ChildProcess) -> None:
+        proc.killed = True  # so its SIGKILL death is not blamed on the OOM killer
+        self._signal(proc.pid, signal.SIGKILL)
+
+    def _signal(self, pid: int, sig: signal.Signals) -> None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass  # already dead; the next reap collects it
+        except OSError as exc:
+            if exc.errno != errno.ESRCH:
+                raise
+
+    # -- stopping -------------------------------------------------------------------------
+
+    def shutdown(self, timeout: float) -> None:
+        """TERM every child, reap until they are gone or `timeout` passed, then KILL the rest.
+
+        A SIGQUIT meanwhile cuts the remaining grace to `QUICK_SHUTDOWN_SECONDS`.
+        """
+        self._stopping = True
+        for proc in self.children.values():
+            if not proc.killed:
+                self._signal(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while True:
+            self.reap()
+            now = time.monotonic()
+            if not self.children or now >= deadline:
+                break
+            for signum in self._wait(min(STOP_REAP_INTERVAL_SECONDS, deadline - now), serve=False):
+                if signum == signal.SIGQUIT:
+                    log.info("received SIGQUIT while stopping: cutting the grace short")
+                    deadline = min(deadline, time.monotonic() + QUICK_SHUTDOWN_SECONDS)
+        if not self.children:
+            return
+        log.warning(
+            "%d children still running after %.1fs; killing them (their tasks are recovered "
+            "when their leases expire)", len(self.children), timeout,
+        )  # fmt: skip
+        for proc in self.children.values():
+            self._kill(proc)
+        deadline = time.monotonic() + KILL_REAP_SECONDS
+        while self.children and time.monotonic() < deadline:
+            self.reap()
+            if self.children:
+                self._wait(STOP_REAP_INTERVAL_SECONDS, serve=False)
+        for pid in self.children:
+            log.error("child %d did not die after SIGKILL; giving up on it", pid)
+
+
+def _record_only(signum: int, frame: object) -> None:
+    """Python-level handler: nothing to do, set_wakeup_fd already recorded `signum`."""
