@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import Flask
+from flask import Flask, current_app
 from flask_smorest import Api
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from werkzeug.exceptions import HTTPException
@@ -28,12 +28,48 @@ class FairqApi(Api):  # type: ignore[misc]  # flask-smorest ships no type hints
     def handle_http_exception(self, error: HTTPException) -> tuple[dict[str, Any], int, Any]:
         """Like flask-smorest's handler, plus a message for errors raised without one."""
         payload, code, headers = super().handle_http_exception(error)
+        # flask-smorest drops the headers werkzeug sets on its errors, some of them required:
+        # `Allow` on a 405 (RFC 9110 section 15.5.6), `WWW-Authenticate`, `Retry-After`.
+        for name, value in error.get_headers():
+            if name.lower() != "content-type":
+                headers.setdefault(name, value)
+        if "message" not in payload and code == 413:
+            # werkzeug's own 413 (Content-Length over the limit) says nothing about the limit.
+            limit = current_app.config["MAX_CONTENT_LENGTH"]
+            payload["message"] = f"the request body must be at most {limit} bytes"
+        if "message" not in payload and isinstance(payload.get("errors"), dict):
+            # webargs' 422 carries only `errors`; say which fields in the message too.
+            payload["message"] = validation_message(payload["errors"])
         if "message" not in payload and error.description:
             payload["message"] = error.description
         if code == 500:
             # Never leak internals; the traceback is in the server log.
             payload["message"] = "internal server error"
         return payload, code, headers
+
+
+def _field_errors(errors: Any, path: str = "") -> list[tuple[str, str]]:
+    """(`location.field.subfield`, first message) for each invalid field of a webargs error."""
+    if not isinstance(errors, dict):
+        first = errors[0] if isinstance(errors, list) and errors else errors
+        return [(path, str(first))]
+    found: list[tuple[str, str]] = []
+    for key, value in errors.items():
+        # `_schema` is an error about the object itself, not one of its fields.
+        name = path if key == "_schema" else f"{path}.{key}" if path else str(key)
+        found.extend(_field_errors(value, name))
+    return found
+
+
+def validation_message(errors: dict[str, Any]) -> str:
+    """A one-line summary naming the invalid fields, e.g. `invalid query.limit: Not a valid...`.
+
+    Field names can come from the client (unknown fields), so each part is cut short.
+    """
+    fields = _field_errors(errors)
+    shown = "; ".join(f"{path[:100]}: {why[:200]}" for path, why in fields[:3])
+    more = f" (and {len(fields) - 3} more)" if len(fields) > 3 else ""
+    return f"invalid {shown}{more}"
 
 
 def error_body(code: int, status: str, message: str, **extra: Any) -> dict[str, Any]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from marshmallow import RAISE, Schema, fields, validate
 
+from api import validators
+
 
 class CompanyCreateSchema(Schema):
     """Body of POST /companies."""
@@ -13,11 +15,7 @@ class CompanyCreateSchema(Schema):
 
     name = fields.String(
         required=True,
-        validate=[
-            validate.Length(min=1, max=200),
-            # PostgreSQL text cannot hold NUL: reject it here, not as a driver error (a 5xx).
-            validate.Regexp(r"\A[^\x00]*\Z", error="must not contain the NUL character"),
-        ],
+        validate=[validate.Length(min=1, max=200), validators.NO_NUL],
         metadata={"description": "Display name, 1..200 characters."},
     )
 

@@ -16,6 +16,7 @@ from marshmallow import (
     validates_schema,
 )
 
+from api import validators
 from db.models import MAX_ATTEMPTS_LIMIT, TaskStatus
 from worker import tasktypes
 
@@ -123,8 +124,8 @@ class IdempotencyHeaderSchema(Schema):
         data_key="Idempotency-Key",
         validate=[
             validate.Length(min=1, max=IDEMPOTENCY_KEY_MAX),
-            validate.Regexp(
-                r"\A[\x21-\x7e]+\Z",
+            validators.FullMatch(
+                r"[\x21-\x7e]+",
                 error="must be 1..255 visible ASCII characters (no spaces or control characters)",
             ),
         ],
@@ -157,15 +158,9 @@ class TaskListQuerySchema(Schema):
     """Query string of GET /companies/{companyId}/tasks."""
 
     status = fields.String(validate=validate.OneOf([s.value for s in TaskStatus]))
-    type = fields.String(
-        validate=[
-            validate.Length(min=1, max=100),
-            # PostgreSQL text cannot hold NUL: reject it here, not as a driver error (a 5xx).
-            validate.Regexp(r"\A[^\x00]*\Z", error="must not contain the NUL character"),
-        ]
-    )
-    limit = fields.Integer(load_default=20, validate=validate.Range(min=1, max=100))
-    offset = fields.Integer(load_default=0, validate=validate.Range(min=0, max=100_000))
+    type = fields.String(validate=[validate.Length(min=1, max=100), validators.NO_NUL])
+    limit = validators.QueryInteger(load_default=20, validate=validate.Range(min=1, max=100))
+    offset = validators.QueryInteger(load_default=0, validate=validate.Range(min=0, max=100_000))
 
 
 class TaskPageSchema(Schema):

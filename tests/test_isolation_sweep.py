@@ -1,0 +1,275 @@
+"""Tenant isolation swept over every route of the app that has a company in its path (DESIGN §1.5).
+
+The routes come from `app.url_map`, so a route added later is swept without editing this file;
+only the admin's expected answer must be added to `ADMIN_EXPECTED` (the sweep fails until it
+is). For each route and method: another company's key gets the 404 of an id that does not
+exist, the admin token gets what DESIGN §3 says, no token gets a 401 with
+`WWW-Authenticate: Bearer`; no answer carries the victim's data, and nothing changes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from flask import Flask
+from flask.testing import FlaskClient
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from werkzeug.routing import Rule
+from werkzeug.test import TestResponse
+
+from db.models import Task
+from tests.conftest import ADMIN_TOKEN
+from tests.factories import CompanyWithKey, MakeCompany, MakeTask, count_tasks, json_of
+
+NAME_MARKER = "victim-name-7f3a9c"
+PAYLOAD_MARKER = "victim-payload-5e1b2d"
+ERROR_MARKER = "victim-error-9d4c8a"
+
+# What the admin token gets on each company route (DESIGN §3 "who"): it may read a company, but
+# does not act for a tenant on its tasks (403 with a message, the same for any company id).
+ADMIN_EXPECTED: dict[tuple[str, str], int] = {
+    ("/companies/<uuid:company_id>", "GET"): 200,
+    ("/companies/<uuid:company_id>/tasks", "GET"): 403,
+    ("/companies/<uuid:company_id>/tasks", "POST"): 403,
+    ("/companies/<uuid:company_id>/tasks/<uuid:task_id>", "GET"): 403,
+    ("/companies/<uuid:company_id>/tasks/<uuid:task_id>/cancel", "POST"): 403,
+    ("/companies/<uuid:company_id>/tasks/<uuid:task_id>/retry", "POST"): 403,
+}
+
+# Path arguments the sweep knows how to fill; a route with another one fails the sweep.
+KNOWN_ARGUMENTS = {"company_id", "task_id"}
+
+
+@dataclass(frozen=True)
+class Route:
+    """One method of one URL rule that has `company_id` in its path."""
+
+    rule: Rule
+    method: str
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """`(rule template, method)`, as `ADMIN_EXPECTED` is keyed."""
+        return self.rule.rule, self.method
+
+    def __str__(self) -> str:
+        return f"{self.method} {self.rule.rule}"
+
+
+def company_routes(app: Flask) -> list[Route]:
+    """Every (rule, method) of `app` with a company id in its path, HEAD/OPTIONS excepted."""
+    return sorted(
+        (
+            Route(rule, method)
+            for rule in app.url_map.iter_rules()
+            if "company_id" in rule.arguments
+            for method in rule.methods or ()
+            if method not in {"HEAD", "OPTIONS"}
+        ),
+        key=str,
+    )
+
+
+@dataclass(frozen=True)
+class Tenants:
+    """A victim with tasks in several states, and an intruder with one task of its own."""
+
+    victim: CompanyWithKey
+    intruder: CompanyWithKey
+    victim_tasks: tuple[str, ...]
+    intruder_task: str
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """Strings no answer to anyone but the victim may contain."""
+        return (str(self.victim.id), NAME_MARKER, PAYLOAD_MARKER, ERROR_MARKER, *self.victim_tasks)
+
+    @property
+    def task_secrets(self) -> tuple[str, ...]:
+        """The victim's task data: not even the admin token may see it."""
+        return (PAYLOAD_MARKER, ERROR_MARKER, *self.victim_tasks)
+
+
+@pytest.fixture
+def tenants(make_company: MakeCompany, make_task: MakeTask) -> Tenants:
+    """A victim whose tasks could be cancelled (pending) or retried (failed, cancelled)."""
+    victim, intruder = make_company(f"corp {NAME_MARKER}"), make_company("intruder")
+    payload = {"url": f"https://victim.example/{PAYLOAD_MARKER}", "body": PAYLOAD_MARKER}
+    tasks = [
+        make_task(victim.id, type="webhook", payload=payload, status=status, last_error=error)
+        for status, error in (
+            ("pending", None),
+            ("failed", ERROR_MARKER),
+            ("cancelled", ERROR_MARKER),
+        )
+    ]
+    own = make_task(intruder.id)
+    return Tenants(victim, intruder, tuple(str(t.id) for t in tasks), str(own.id))
+
+
+def snapshot(session: Session) -> list[tuple[Any, ...]]:
+    """Every task row's mutable state: what a leaked write would change."""
+    rows = session.execute(
+        select(Task.id, Task.status, Task.attempts, Task.updated_at).order_by(Task.id)
+    )
+    return [tuple(row) for row in rows]
+
+
+@pytest.fixture
+def unchanged(db_session: Session, tenants: Tenants) -> Iterator[None]:
+    """Assert after the test that no task was created, changed or deleted."""
+    before = snapshot(db_session)
+    yield
+    db_session.expire_all()
+    assert snapshot(db_session) == before
+    assert count_tasks(db_session, tenants.victim.id) == len(tenants.victim_tasks)
+
+
+def call(
+    client: FlaskClient,
+    route: Route,
+    *,
+    company: object,
+    task: object,
+    headers: dict[str, str],
+) -> TestResponse:
+    """Send `route` with these path ids; a POST carries a valid create body."""
+    unknown = set(route.rule.arguments) - KNOWN_ARGUMENTS
+    assert not unknown, f"{route}: the sweep cannot fill {sorted(unknown)}; extend it"
+    values = {"company_id": company, "task_id": task}
+    adapter = client.application.url_map.bind("localhost")
+    path = adapter.build(
+        route.rule.endpoint,
+        {name: values[name] for name in route.rule.arguments},
+        method=route.method,
+    )
+    return client.open(
+        path,
+        method=route.method,
+        headers=headers,
+        json={"type": "noop"} if route.method == "POST" else None,
+    )
+
+
+def leaks(response: TestResponse, secrets: tuple[str, ...]) -> list[str]:
+    """The secrets that appear anywhere in the response's body or headers."""
+    text = response.get_data(as_text=True) + str(response.headers)
+    return [secret for secret in secrets if secret in text]
+
+
+def test_every_company_route_has_an_expected_admin_answer(app: Flask) -> None:
+    routes = {route.key for route in company_routes(app)}
+
+    assert routes, "no route has company_id in its path: the sweep would check nothing"
+    assert routes - set(ADMIN_EXPECTED) == set(), "add the admin's answer to ADMIN_EXPECTED"
+    assert set(ADMIN_EXPECTED) - routes == set(), "ADMIN_EXPECTED names routes that are gone"
+
+
+@pytest.mark.usefixtures("unchanged")
+def test_another_companys_key_gets_the_404_of_a_missing_id_on_every_company_route(
+    client: FlaskClient, tenants: Tenants
+) -> None:
+    problems: list[str] = []
+    for route in company_routes(client.application):
+        # (the company in the path, the one a missing-id request uses instead of it)
+        companies = [(tenants.victim.id, uuid.uuid4())]
+        if "task_id" in route.rule.arguments:
+            # The intruder's own company path with the victim's task id.
+            companies.append((tenants.intruder.id, tenants.intruder.id))
+        for company, missing_company in companies:
+            missing = call(
+                client,
+                route,
+                company=missing_company,
+                task=uuid.uuid4(),
+                headers=tenants.intruder.headers,
+            )
+            for task in tenants.victim_tasks:
+                response = call(
+                    client, route, company=company, task=task, headers=tenants.intruder.headers
+                )
+                where = f"{route} company={company} task={task}"
+                if response.status_code != 404 or json_of(response)["code"] != 404:
+                    problems.append(f"{where}: {response.status_code}, not 404")
+                if response.get_json() != missing.get_json():
+                    problems.append(f"{where}: differs from a missing id: {response.get_json()}")
+                if found := leaks(response, tenants.secrets):
+                    problems.append(f"{where}: leaks {found}")
+
+    assert problems == []
+
+
+@pytest.mark.usefixtures("unchanged")
+def test_admin_token_gets_the_designed_answer_on_every_company_route(
+    client: FlaskClient, tenants: Tenants, admin_headers: dict[str, str]
+) -> None:
+    problems: list[str] = []
+    for route in company_routes(client.application):
+        expected = ADMIN_EXPECTED.get(route.key)
+        if expected is None:
+            problems.append(f"{route}: no expected admin answer in ADMIN_EXPECTED")
+            continue
+        for task in tenants.victim_tasks:
+            response = call(
+                client, route, company=tenants.victim.id, task=task, headers=admin_headers
+            )
+            where = f"{route} task={task}"
+            if response.status_code != expected:
+                problems.append(f"{where}: {response.status_code}, expected {expected}")
+                continue
+            if found := leaks(response, tenants.task_secrets):
+                problems.append(f"{where}: leaks task data {found}")
+            if expected == 200:
+                body = json_of(response)
+                if set(body) != {"id", "name", "created_at"} or body["id"] != str(
+                    tenants.victim.id
+                ):
+                    problems.append(f"{where}: unexpected body {body}")
+                continue
+            body = json_of(response)
+            if body["code"] != expected or not body.get("message"):
+                problems.append(f"{where}: not an error body with a message: {body}")
+            if found := leaks(response, tenants.secrets):
+                problems.append(f"{where}: leaks {found}")
+            # Refused before any lookup: a company that does not exist gets the same answer.
+            missing = call(
+                client, route, company=uuid.uuid4(), task=uuid.uuid4(), headers=admin_headers
+            )
+            if (missing.status_code, missing.get_json()) != (expected, body):
+                problems.append(f"{where}: tells existing ids from missing ones")
+
+    assert problems == []
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [None, "Bearer not-a-key", "Basic dXNlcjpwYXNz", "Bearer", f"Bearer {ADMIN_TOKEN}x"],
+    ids=["missing", "unknown-key", "basic", "empty-bearer", "admin-token-plus-one"],
+)
+@pytest.mark.usefixtures("unchanged")
+def test_no_valid_token_gets_401_with_www_authenticate_on_every_company_route(
+    client: FlaskClient, tenants: Tenants, authorization: str | None
+) -> None:
+    headers = {} if authorization is None else {"Authorization": authorization}
+    problems: list[str] = []
+    for route in company_routes(client.application):
+        missing = call(client, route, company=uuid.uuid4(), task=uuid.uuid4(), headers=headers)
+        for task in tenants.victim_tasks:
+            response = call(client, route, company=tenants.victim.id, task=task, headers=headers)
+            where = f"{route} task={task}"
+            if response.status_code != 401:
+                problems.append(f"{where}: {response.status_code}, not 401")
+                continue
+            if not response.headers.get("WWW-Authenticate", "").startswith("Bearer"):
+                problems.append(f"{where}: no WWW-Authenticate: Bearer")
+            if json_of(response) != json_of(missing):
+                problems.append(f"{where}: differs from a missing id")
+            if found := leaks(response, tenants.secrets):
+                problems.append(f"{where}: leaks {found}")
+
+    assert problems == []
