@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from tests import supervisor_harness as harness
 from tests.supervisor_harness import StartSupervisor, wait_for
@@ -25,13 +25,23 @@ def supervisor(tmp_path: Path, fresh_db_url: str) -> Iterator[StartSupervisor]:
 
 
 @pytest.mark.slow
+def held_by(engine: Engine, pid: int) -> int:
+    """Tasks in `processing` whose lease belongs to worker process `pid`."""
+    with engine.connect() as conn:
+        count: int = conn.execute(
+            text("SELECT count(*) FROM tasks WHERE status = 'processing' AND locked_by LIKE :w"),
+            {"w": f"%:{pid}"},
+        ).scalar_one()
+    return count
+
+
 def test_completed_total_matches_the_database_across_a_child_kill(
     supervisor: StartSupervisor, fresh_engine: Engine
 ) -> None:
     for index in range(10):
         company = harness.add_company(fresh_engine, f"company-{index}")
-        # A few milliseconds each, so the kill lands while batches are still in hand.
-        harness.add_tasks(fresh_engine, company, 100, type="sleep", payload='{"seconds": 0.003}')
+        # 10 ms each: a batch is in hand for ~200 ms, the gap between passes is ~1 ms.
+        harness.add_tasks(fresh_engine, company, 100, type="sleep", payload='{"seconds": 0.01}')
     sup = supervisor("--concurrency", "2", "--batch-size", str(BATCH_SIZE))
     victim = sup.wait_children(2)[0]
     wait_for(
@@ -39,8 +49,13 @@ def test_completed_total_matches_the_database_across_a_child_kill(
         15,
         "some tasks to complete",
     )
+    # Kill only while the victim holds a batch; between passes it holds nothing, and the
+    # test would not exercise recovery. Then count what it held: exactly those are claimed
+    # a second time.
+    wait_for(lambda: held_by(fresh_engine, victim) > 0, 10, "the victim to hold a batch")
     os.kill(victim, signal.SIGKILL)
     sup.seen_children.add(victim)
+    held = held_by(fresh_engine, victim)
 
     # The victim's claimed tasks come back after STALE_AFTER_SECONDS=2.
     wait_for(
@@ -57,7 +72,8 @@ def test_completed_total_matches_the_database_across_a_child_kill(
     # one batch it held when it died. Everything else is counted exactly once.
     assert 1000 - BATCH_SIZE <= completed <= 1000
     assert metrics['task_duration_seconds_count{type="sleep"}'] == completed
-    assert metrics["tasks_claimed_total"] > 1000  # the victim's batch was claimed twice
+    # Counters of dead children stay in the aggregate: the victim's batch counts twice.
+    assert metrics["tasks_claimed_total"] == 1000 + held
     assert metrics["claim_duration_seconds_count"] >= 1
     assert metrics["worker_children"] == 2
     assert metrics.get("tasks_lease_lost_total", 0) == 0
@@ -79,3 +95,22 @@ def test_health_answers_and_unknown_paths_are_404(supervisor: StartSupervisor) -
     assert "worker_children" in scrape.text
     sup.send(signal.SIGTERM)
     assert sup.wait(15) == 0
+
+
+def test_every_task_type_has_its_series_at_zero_before_its_first_event() -> None:
+    from worker import metrics
+
+    task_metrics = metrics.TaskMetrics(["noop", "webhook"])
+
+    for counter in (
+        task_metrics.tasks_completed,
+        task_metrics.tasks_retried,
+        task_metrics.tasks_failed,
+    ):
+        samples = {
+            s.labels["type"]: s.value
+            for family in counter.collect()
+            for s in family.samples
+            if s.name.endswith("_total")
+        }
+        assert samples == {"noop": 0.0, "webhook": 0.0}

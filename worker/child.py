@@ -249,9 +249,9 @@ class Child:
         try:
             # Imported here, after the fork: a module that fails to import is a boot error
             # of this child, reported to the supervisor, rather than a crash.
-            from worker import metrics, processing  # noqa: PLC0415, F401
+            from worker import metrics, processing, tasktypes  # noqa: PLC0415, F401
 
-            self._metrics = metrics.TaskMetrics()
+            self._metrics = metrics.TaskMetrics(tasktypes.names())
         except Exception as exc:
             log.exception("importing the processing code failed")
             return f"cannot import the processing code: {exc!r}"

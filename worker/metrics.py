@@ -46,7 +46,7 @@ class TaskMetrics:
     their number is bounded (DESIGN §7).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, task_types: Iterable[str] = ()) -> None:
         self.tasks_claimed = Counter(
             "tasks_claimed_total", "Tasks moved to processing by a claim.", registry=None
         )
@@ -77,6 +77,12 @@ class TaskMetrics:
             "claim_duration_seconds", "Duration of one claim transaction.",
             buckets=CLAIM_DURATION_BUCKETS, registry=None,
         )  # fmt: skip
+        # Every type's series exists from the start at 0: rate() and increase() then see
+        # a type's first event, and a type that only ever fails still has a completed series.
+        for task_type in task_types:
+            for per_type in (self.tasks_completed, self.tasks_retried, self.tasks_failed):
+                per_type.labels(task_type)
+            self.task_duration.labels(task_type)
 
     def claimed(self, n: int) -> None:
         """`n` tasks were claimed."""
