@@ -2,31 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from marshmallow import ValidationError, fields, validate
+from marshmallow import ValidationError, fields
 
+from worker.tasktypes.fields import FullMatch
 
-class FullMatch(validate.Regexp):
-    """The whole string must match `body`, a regex valid in both Python and ECMA-262.
-
-    OpenAPI's `pattern` is ECMA-262 (what apispec publishes is `regex.pattern`): Python-only
-    anchors such as `\\A...\\Z` are not regexes there, so clients' validators and generators
-    reject the spec. `^(?:body)$` means "the whole string" in ECMA-262; in Python `$` also
-    matches before a final newline, which `fullmatch` rules out.
-    """
-
-    def __init__(self, body: str, *, error: str | None = None) -> None:
-        pattern = f"^(?:{body})$"
-        super().__init__(pattern, error=error)
-        self._pattern = re.compile(pattern)
-
-    def __call__(self, value: Any) -> Any:
-        """Return `value` if it matches entirely; else raise `ValidationError`."""
-        if not isinstance(value, str) or self._pattern.fullmatch(value) is None:
-            raise ValidationError(self._format_error(value))
-        return value
+__all__ = ["NO_NUL", "FullMatch", "QueryInteger"]
 
 
 # PostgreSQL text cannot hold NUL: reject it in validation, not as a driver error (a 5xx).

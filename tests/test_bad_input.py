@@ -508,3 +508,38 @@ def test_non_json_content_type_with_a_body_is_415(
     assert_error(response, 415)
     assert "application/json" in json_of(response)["message"]
     assert_nothing_stored(db_session, company)
+
+
+@pytest.mark.parametrize("seconds", ["5", True, None, [1]])
+def test_sleep_seconds_must_be_a_json_number_and_nothing_is_stored(
+    client: FlaskClient, company: CompanyWithKey, db_session: Session, seconds: object
+) -> None:
+    response = post_task(client, company, {"type": "sleep", "payload": {"seconds": seconds}})
+
+    errors = assert_error(response, 422, location="json")
+    assert "seconds" in errors["payload"]
+    assert_nothing_stored(db_session, company)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        ("X-Ok", "a\r\nX-Injected: 1", "value"),
+        ("X-Ok", "caf\u00e9", "value"),
+        ("Bad Name", "v", "key"),
+        ("X:Colon", "v", "key"),
+    ],
+)
+def test_webhook_header_that_http_cannot_carry_is_422_and_nothing_is_stored(
+    client: FlaskClient,
+    company: CompanyWithKey,
+    db_session: Session,
+    header: tuple[str, str, str],
+) -> None:
+    name, value, part = header
+    payload = {"url": "https://example.com/hook", "headers": {name: value}}
+    response = post_task(client, company, {"type": "webhook", "payload": payload})
+
+    errors = assert_error(response, 422, location="json")
+    assert errors["payload"]["headers"][name][part]
+    assert_nothing_stored(db_session, company)

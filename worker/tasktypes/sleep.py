@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 
-from marshmallow import RAISE, Schema, fields, validate
+from marshmallow import RAISE, Schema, validate
 
 from worker.tasktypes.base import TaskContext, TaskType
+from worker.tasktypes.fields import JsonNumber
 
 MAX_SLEEP_SECONDS = 300
 
@@ -17,9 +18,8 @@ class SleepPayload(Schema):
     class Meta:
         unknown = RAISE
 
-    seconds = fields.Float(
+    seconds = JsonNumber(
         required=True,
-        allow_nan=False,
         validate=validate.Range(min=0, max=MAX_SLEEP_SECONDS),
         metadata={"description": "How long to sleep, in seconds (0..300)."},
     )

@@ -17,6 +17,7 @@ from requests.adapters import HTTPAdapter
 
 from worker.errors import PermanentTaskError
 from worker.tasktypes.base import TaskContext, TaskType
+from worker.tasktypes.fields import HTTP_FIELD_NAME, HTTP_FIELD_VALUE
 
 # How much of a response body or header value an error message may quote: enough to diagnose,
 # never a whole page in `last_error`.
@@ -66,8 +67,10 @@ class WebhookPayload(Schema):
     )
     body = fields.Raw(load_default=None, allow_none=True)
     headers = fields.Dict(
-        keys=fields.String(validate=validate.Length(min=1, max=256)),
-        values=fields.String(validate=validate.Length(max=8192)),
+        # Checked here, not first in the handler: a bad header is the client's 422 at
+        # creation, not a task that fails for good later.
+        keys=fields.String(validate=[validate.Length(min=1, max=256), HTTP_FIELD_NAME]),
+        values=fields.String(validate=[validate.Length(max=8192), HTTP_FIELD_VALUE]),
         load_default=dict,
     )
 
