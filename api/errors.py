@@ -9,10 +9,20 @@ from typing import Any
 
 from flask import Flask, current_app
 from flask_smorest import Api
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError
 from werkzeug.exceptions import HTTPException
 
 from db import errors as db_errors
+from db import models
+
+# Constraint name -> (status, message) when a constraint, not validation, refused a write.
+_CONSTRAINT_STATUS: dict[str, tuple[int, str]] = {
+    models.UQ_TASK_IDEMPOTENCY_KEY: (409, "a task with this Idempotency-Key is being created"),
+    models.FK_TASK_COMPANY: (404, "company not found"),
+    models.CK_TASK_STATUS: (422, "invalid task status"),
+    models.CK_TASK_MAX_ATTEMPTS: (422, "max_attempts is out of range"),
+    models.CK_TASK_PAYLOAD_OBJECT: (422, "payload must be a JSON object"),
+}
 
 # status -> (domain error type) for the errors `db` raises on purpose.
 _DOMAIN_STATUS: tuple[tuple[type[db_errors.DomainError], int], ...] = (
@@ -83,6 +93,21 @@ def _status_name(code: int) -> str:
     return HTTPStatus(code).phrase
 
 
+def brief_db_error(error: DBAPIError) -> str:
+    """The driver error's class and primary message, for logs.
+
+    Not its DETAIL or CONTEXT lines, nor the statement's parameters: they can quote the data
+    that was written (a check violation's DETAIL shows the whole row, payload included).
+    """
+    orig = error.orig
+    diag = getattr(orig, "diag", None)
+    primary = getattr(diag, "message_primary", None)
+    if not primary:
+        lines = str(orig).strip().splitlines()
+        primary = lines[0] if lines else ""
+    return f"{type(orig).__name__}: {primary}"
+
+
 def register(app: Flask) -> None:
     """Register handlers for domain errors and for driver errors that escape a view."""
 
@@ -94,17 +119,32 @@ def register(app: Flask) -> None:
 
     def handle_integrity(error: IntegrityError) -> tuple[dict[str, Any], int]:
         # Constraints are checked by the schemas first; reaching one here means a race or a
-        # gap in validation, which is the client's conflict, not a server fault.
-        app.logger.warning("integrity error reached the API boundary: %s", error.orig)
-        return error_body(409, _status_name(409), "the request conflicts with stored data"), 409
-
-    def handle_dbapi(error: DBAPIError) -> tuple[dict[str, Any], int, dict[str, str]]:
-        app.logger.error("database error: %s", error.orig)
-        return (
-            error_body(503, _status_name(503), "the database is unavailable, try again"),
-            503,
-            {"Retry-After": "1"},
+        # gap in validation: the client's request, not a server fault. Named by constraint.
+        app.logger.warning("integrity error reached the API boundary: %s", brief_db_error(error))
+        constraint = getattr(getattr(error.orig, "diag", None), "constraint_name", None)
+        code, message = _CONSTRAINT_STATUS.get(
+            constraint or "", (409, "the request conflicts with stored data")
         )
+        return error_body(code, _status_name(code), message), code
+
+    def handle_dbapi(
+        error: DBAPIError,
+    ) -> tuple[dict[str, Any], int] | tuple[dict[str, Any], int, dict[str, str]]:
+        if isinstance(error, OperationalError | InterfaceError):
+            # Connection lost, server restarting, timeouts: the client may simply retry.
+            app.logger.error("database unavailable: %s", brief_db_error(error))
+            return (
+                error_body(503, _status_name(503), "the database is unavailable, try again"),
+                503,
+                {"Retry-After": "1"},
+            )
+        if isinstance(error, DataError):
+            # A value PostgreSQL refused that validation let through: the request's fault.
+            app.logger.warning("database refused a value: %s", brief_db_error(error))
+            return error_body(422, _status_name(422), "a value was refused by the database"), 422
+        # ProgrammingError and the like are our bugs: a 500, loudly, not a retry loop.
+        app.logger.error("database error: %s", brief_db_error(error))
+        return error_body(500, _status_name(500), "internal server error"), 500
 
     app.register_error_handler(db_errors.DomainError, handle_domain)
     app.register_error_handler(IntegrityError, handle_integrity)

@@ -19,8 +19,9 @@ _TRY_LOCK = text("SELECT pg_try_advisory_xact_lock(:key)")
 
 _DELETE_EXPIRED = text(
     """
-DELETE FROM tasks
-WHERE id IN (
+WITH doomed AS (
+    -- A CTE runs once. As an `IN (subquery)` it may run per row, and with FOR UPDATE it
+    -- then skips the rows this very DELETE removed and reaches past LIMIT.
     SELECT id
     FROM tasks
     -- Repeats the predicate of ix_tasks_terminal_finished_at, so the planner may use it: an
@@ -29,7 +30,16 @@ WHERE id IN (
       AND finished_at < now() - make_interval(secs => CAST(:retention AS float8))
     ORDER BY finished_at
     LIMIT :limit
+    -- A row someone is changing (a retry through the API) is not ours to judge now.
+    FOR UPDATE SKIP LOCKED
 )
+DELETE FROM tasks t
+USING doomed
+WHERE t.id = doomed.id
+  -- Again on the row being deleted: a task retried (back to pending) after our snapshot
+  -- must survive; the CTE's predicate was checked against the old row version only.
+  AND t.status IN ('completed', 'failed', 'cancelled')
+  AND t.finished_at < now() - make_interval(secs => CAST(:retention AS float8))
 """
 )
 

@@ -57,27 +57,34 @@ def create_task(
     stmt = pg_insert(Task).values(**values)
     if idempotency_key is not None:
         stmt = stmt.on_conflict_do_nothing(constraint=UQ_TASK_IDEMPOTENCY_KEY)
-    task = session.scalars(stmt.returning(Task)).one_or_none()
-    if task is None:
-        return _existing_for_key(session, company_id, idempotency_key, request_hash), False
-    if notify_channel:
-        session.execute(select(func.pg_notify(notify_channel, str(task.company_id))))
-    return task, True
+    # The conflicting row can vanish between the INSERT and the read (retention deleted it,
+    # or its inserter rolled back): then the key is free again, so insert once more.
+    for _ in range(_CREATE_ATTEMPTS):
+        task = session.scalars(stmt.returning(Task)).one_or_none()
+        if task is not None:
+            if notify_channel:
+                session.execute(select(func.pg_notify(notify_channel, str(task.company_id))))
+            return task, True
+        existing = _existing_for_key(session, company_id, idempotency_key)
+        if existing is not None:
+            if existing.request_hash != request_hash:
+                raise errors.IdempotencyKeyReused(
+                    "this Idempotency-Key was already used with a different request body"
+                )
+            return existing, False
+    raise errors.Conflict("the Idempotency-Key is in flux (created and deleted); retry")
 
 
-def _existing_for_key(
-    session: Session, company_id: uuid.UUID, key: str | None, request_hash: str | None
-) -> Task:
+# INSERT/read rounds before giving up on a key whose row keeps disappearing.
+_CREATE_ATTEMPTS = 3
+
+
+def _existing_for_key(session: Session, company_id: uuid.UUID, key: str | None) -> Task | None:
     # READ COMMITTED: ON CONFLICT waited for the other inserter to commit, so this new
-    # statement sees its row.
-    existing = session.scalars(
+    # statement sees its row, unless it was deleted in between.
+    return session.scalars(
         select(Task).where(Task.company_id == company_id, Task.idempotency_key == key)
-    ).one()
-    if existing.request_hash != request_hash:
-        raise errors.IdempotencyKeyReused(
-            "this Idempotency-Key was already used with a different request body"
-        )
-    return existing
+    ).one_or_none()
 
 
 def get_task(session: Session, company_id: uuid.UUID, task_id: uuid.UUID) -> Task:
