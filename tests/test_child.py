@@ -205,3 +205,25 @@ def test_retention_skips_while_another_runner_holds_the_lock(
             text("SELECT pg_advisory_xact_lock(:k)"), {"k": maintenance.RETENTION_LOCK_KEY}
         )
         assert maintenance.delete_expired_tasks(db_session, retention_seconds=86400) is None
+
+
+@pytest.mark.slow
+def test_supervisor_started_while_postgresql_is_down_waits_and_then_works(
+    supervisor: StartSupervisor, restartable: tuple[EmbeddedPostgres, str]
+) -> None:
+    postgres, url = restartable
+    engine = make_engine(url, application_name="fairq-tests", poolclass=pool.NullPool)
+    try:
+        company = harness.add_company(engine)
+        postgres.stop()
+        sup = supervisor("--concurrency", "2", "--poll-interval", "0.2", DATABASE_URL=url)
+        # A deploy that restarts the database must not take the workers down with it.
+        wait_for(lambda: "database unreachable at boot" in sup.log(), 10, "boot retries")
+        postgres.start()
+        sup.wait_ready(2)
+        (task,) = harness.add_tasks(engine, company)
+        _wait_completed(engine, task, 10)
+        assert sup.metrics()["worker_child_restarts_total"] == 0
+    finally:
+        postgres.start()
+        engine.dispose()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -95,3 +96,32 @@ def test_taken_metrics_port_exits_1_with_a_message(tmp_path: Path, fresh_db_url:
         status, _, err = _run(tmp_path, "--metrics-port", port, DATABASE_URL=fresh_db_url)
     assert status == 1
     assert f"cannot serve metrics on 0.0.0.0:{port}" in err
+
+
+def test_sigterm_during_once_finishes_the_task_in_hand_and_hands_back_the_rest(
+    tmp_path: Path, fresh_db_url: str, fresh_engine: Engine
+) -> None:
+    company = harness.add_company(fresh_engine)
+    harness.add_tasks(fresh_engine, company, 3, type="sleep", payload='{"seconds": 1}')
+    environment = {**os.environ, "PYTHONPATH": str(harness.ROOT), "DATABASE_URL": fresh_db_url}
+    with (tmp_path / "out.log").open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "--once"],
+            cwd=harness.ROOT, env=environment, stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            harness.wait_for(
+                lambda: harness.status_counts(fresh_engine).get("processing", 0) == 3,
+                15,
+                "the pass to claim the batch",
+            )
+            proc.send_signal(signal.SIGTERM)
+            status = proc.wait(timeout=15)
+        finally:
+            proc.kill()
+            proc.wait()
+
+    assert status == 0, (tmp_path / "out.log").read_text()
+    # The first task was in hand and completes; the two never started are pending again.
+    assert harness.status_counts(fresh_engine) == {"completed": 1, "pending": 2}

@@ -221,6 +221,8 @@ def test_children_that_cannot_boot_stop_the_supervisor(supervisor: StartSupervis
     sup = supervisor(
         "--concurrency", "2",
         DATABASE_URL=f"postgresql+psycopg://postgres@127.0.0.1:{closed}/nowhere",
+        # Without it each child waits a minute for the database to come up before failing.
+        WORKER_BOOT_TIMEOUT_SECONDS="0",
     )  # fmt: skip
     code = sup.wait(30)
     assert code == 3

@@ -255,16 +255,29 @@ class Child:
         except Exception as exc:
             log.exception("importing the processing code failed")
             return f"cannot import the processing code: {exc!r}"
-        try:
-            self._engine = db_engine.make_engine(
-                self.settings.database_url, application_name=APPLICATION_NAME
-            )
-            self._sessions = db_engine.make_sessionmaker(self._engine)
-            with self._engine.connect() as conn:
-                # The table the child works on: an unmigrated database is a boot error.
-                conn.execute(text("SELECT 1 FROM tasks LIMIT 0"))
-        except DBAPIError as exc:
-            return f"database unreachable or not migrated ({_brief(exc)})"
+        self._engine = db_engine.make_engine(
+            self.settings.database_url, application_name=APPLICATION_NAME
+        )
+        self._sessions = db_engine.make_sessionmaker(self._engine)
+        # A database that is restarting (a deploy, a failover) is waited out for
+        # `boot_timeout`; one that answers without our tables is a boot error at once.
+        deadline = time.monotonic() + self.settings.boot_timeout
+        backoff = _Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
+        while True:
+            try:
+                with self._engine.connect() as conn:
+                    # The table the child works on: an unmigrated database is a boot error.
+                    conn.execute(text("SELECT 1 FROM tasks LIMIT 0"))
+                break
+            except DBAPIError as exc:
+                delay = backoff.next()
+                if not is_transient(exc) or time.monotonic() + delay > deadline:
+                    return f"database unreachable or not migrated ({_brief(exc)})"
+                log.warning("database unreachable at boot (%s); retrying in %.1fs",
+                            _brief(exc), delay)  # fmt: skip
+                self._wait(delay, listen=False)
+                if self.should_stop():
+                    return None  # stopping anyway: the loop exits at once, status 0
         try:
             self._listener.connect()
         except psycopg.Error as exc:  # not fatal: polling alone works

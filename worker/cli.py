@@ -12,8 +12,10 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import socket
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,12 +136,18 @@ def run_once(settings: WorkerSettings) -> int:
     from db import engine as db_engine  # noqa: PLC0415
     from worker import processing  # noqa: PLC0415
 
+    # TERM or INT (a Job's deadline, `timeout`, Ctrl-C) stops the pass as in a child: the
+    # task in hand finishes, the rest is handed back instead of stranded in `processing`.
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda _signum, _frame: stop.set())
     engine = db_engine.make_engine(settings.database_url, application_name="fairq-worker-once")
     try:
         result = processing.process_batch(
             db_engine.make_sessionmaker(engine),
             worker_id=f"{socket.gethostname()}:{os.getpid()}",
             settings=settings,
+            stop=stop.is_set,
         )
     except DBAPIError as exc:
         print(f"fairq worker: database error: {exc.orig or exc}", file=sys.stderr)

@@ -76,6 +76,20 @@ def env_float(
     return value
 
 
+def env_logging(env: Mapping[str, str]) -> tuple[str, str]:
+    """`LOG_LEVEL` (default INFO) and `LOG_FORMAT` (text or json, default text), validated.
+
+    Shared by the worker and the API, so both accept the same values.
+    """
+    log_level = env_str(env, "LOG_LEVEL", "INFO").upper()
+    if log_level not in LOG_LEVELS:
+        raise SettingsError(f"LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}")
+    log_format = env_str(env, "LOG_FORMAT", "text").lower()
+    if log_format not in ("text", "json"):
+        raise SettingsError("LOG_FORMAT must be text or json")
+    return log_level, log_format
+
+
 def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     """true/false, 1/0, yes/no, on/off (case-insensitive)."""
     raw = env.get(name)
@@ -104,6 +118,7 @@ class WorkerSettings:
     stale_after: float = 300.0
     heartbeat_interval: float | None = None
     shutdown_timeout: float = 30.0
+    boot_timeout: float = 60.0
     metrics_port: int = 9100
     metrics_host: str = "0.0.0.0"  # noqa: S104  (metrics are scraped from other hosts)
     prometheus_multiproc_dir: Path | None = None
@@ -131,12 +146,7 @@ class WorkerSettings:
         env: Mapping[str, str] = os.environ if environ is None else environ
         if overrides:
             env = ChainMap(dict(overrides), dict(env))
-        log_level = env_str(env, "LOG_LEVEL", "INFO").upper()
-        if log_level not in LOG_LEVELS:
-            raise SettingsError(f"LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}")
-        log_format = env_str(env, "LOG_FORMAT", "text").lower()
-        if log_format not in ("text", "json"):
-            raise SettingsError("LOG_FORMAT must be text or json")
+        log_level, log_format = env_logging(env)
         multiproc = env.get("PROMETHEUS_MULTIPROC_DIR", "").strip()
         return cls(
             database_url=env_url(env),
@@ -146,18 +156,26 @@ class WorkerSettings:
             poll_interval=env_float(env, "WORKER_POLL_INTERVAL", 1.0, minimum=0.01, maximum=3600),
             stale_after=env_float(env, "STALE_AFTER_SECONDS", 300.0, minimum=1.0),
             shutdown_timeout=env_float(env, "SHUTDOWN_TIMEOUT_SECONDS", 30.0, minimum=0.0),
+            boot_timeout=env_float(env, "WORKER_BOOT_TIMEOUT_SECONDS", 60.0, minimum=0.0),
             metrics_port=env_int(env, "WORKER_METRICS_PORT", 9100, minimum=0, maximum=65535),
             prometheus_multiproc_dir=Path(multiproc) if multiproc else None,
             retention_days=env_float(env, "TASK_RETENTION_DAYS", 7.0, minimum=0.0),
             log_level=log_level,
             log_format=log_format,
             notify_channel=env_str(env, "NOTIFY_CHANNEL", "fairq_tasks"),
-            handler_config=HandlerConfig(
-                smtp_url=env_str(env, "SMTP_URL", "smtp://127.0.0.1:1025"),
-                smtp_from=env_str(env, "SMTP_FROM", "fairq@localhost"),
-                webhook_allow_private=env_bool(env, "WEBHOOK_ALLOW_PRIVATE", False),
-                webhook_timeout=env_float(
-                    env, "WEBHOOK_TIMEOUT_SECONDS", 10.0, minimum=0.1, maximum=300
-                ),
-            ),
+            handler_config=handler_config_from_env(env),
         )
+
+
+def handler_config_from_env(env: Mapping[str, str]) -> HandlerConfig:
+    """The handlers' settings (`SMTP_URL`, `SMTP_FROM`, `WEBHOOK_*`) from `env`.
+
+    Shared by the worker and the API, whose `POST /workers/process` runs the same handlers:
+    both must honour the same variables. Raises `SettingsError` naming the variable.
+    """
+    return HandlerConfig(
+        smtp_url=env_str(env, "SMTP_URL", "smtp://127.0.0.1:1025"),
+        smtp_from=env_str(env, "SMTP_FROM", "fairq@localhost"),
+        webhook_allow_private=env_bool(env, "WEBHOOK_ALLOW_PRIVATE", False),
+        webhook_timeout=env_float(env, "WEBHOOK_TIMEOUT_SECONDS", 10.0, minimum=0.1, maximum=300),
+    )
