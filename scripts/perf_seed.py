@@ -8,8 +8,15 @@ three quarters of those are still delayed. About 82% of all rows are eligible fo
 Timestamps are relative to the database clock at seeding time, so a stale seed drifts (delays
 expire): reseed before measuring.
 
+`--delayed-backlog N` adds the "one tenant's delayed backlog" scenario: N more pending rows for
+one light company, all runnable only tomorrow (scheduled with `run_at`, or every task backed
+off because its webhook target is down), created before any other row. In created_at order
+they come first, so a claim that scans a company in created_at order and filters
+`run_after <= now()` reads all N of them on every claim (the case migration 0002 fixed).
+
 Usage:
     PYTHONPATH=. .venv/bin/python scripts/perf_seed.py [--rows 100000] [--seed 42]
+        [--delayed-backlog 0]
         [--database-url postgresql+psycopg://postgres@127.0.0.1:5432/fairq_bench]
 
 Without `--database-url` or `DATABASE_URL`, an embedded PostgreSQL with its data in
@@ -103,6 +110,28 @@ FROM (
 ) AS x
 """
 
+# The company that gets the delayed backlog: the last one, a light company (heavy ones come
+# first), whose few runnable rows sit behind the whole backlog in created_at order.
+BACKLOG_COMPANY = COMPANIES
+
+# N pending rows runnable in 24 to 25 hours, created 8 to 7 days ago (the seeded history spans
+# the last 7 days): older than every other row of the company. Same deterministic ids scheme.
+# Written in a shuffled order: a tenant's rows created over a day sit among everyone else's
+# on the heap, one page per row, not packed together in created_at order as one bulk
+# INSERT would leave them (which would make reading them in created_at order look cheap).
+_SEED_BACKLOG = """
+INSERT INTO tasks (id, company_id, type, payload, status, attempts, max_attempts, run_after,
+                   created_at, updated_at)
+SELECT md5('fairq-backlog-' || :seed || '-' || g)::uuid,
+       md5('fairq-company-' || :company_no)::uuid,
+       'noop', '{}'::jsonb, 'pending', 0, 5,
+       now() + interval '1 day' + make_interval(secs => g * (3600.0 / :rows)),
+       now() - interval '8 days' + make_interval(secs => g * (86400.0 / :rows)),
+       now() - interval '8 days' + make_interval(secs => g * (86400.0 / :rows))
+FROM generate_series(1, :rows) AS g
+ORDER BY md5('fairq-backlog-order-' || g)
+"""
+
 _STATS = """
 SELECT count(*) AS total,
        count(*) FILTER (WHERE (status = 'pending' AND run_after <= now())
@@ -139,9 +168,10 @@ class SeedStats:
         )
 
 
-def seed_marker(rows: int, seed: int) -> str:
+def seed_marker(rows: int, seed: int, delayed_backlog: int = 0) -> str:
     """The table comment that identifies a seeded workload (for `--reuse`)."""
-    return f"perf_seed rows={rows} seed={seed}"
+    backlog = f" delayed_backlog={delayed_backlog}" if delayed_backlog else ""
+    return f"perf_seed rows={rows} seed={seed}{backlog}"
 
 
 def current_marker(engine: Engine) -> str | None:
@@ -153,7 +183,7 @@ def current_marker(engine: Engine) -> str | None:
         return value
 
 
-def _seed_tasks(conn: Connection, rows: int, seed: int) -> None:
+def _seed_tasks(conn: Connection, rows: int, seed: int, delayed_backlog: int) -> None:
     # Secondary indexes are dropped for the bulk insert and rebuilt afterwards, which is
     # several times faster than maintaining them row by row. DDL is transactional, so an
     # interrupted seed leaves the indexes in place.
@@ -176,12 +206,21 @@ def _seed_tasks(conn: Connection, rows: int, seed: int) -> None:
             "heavy_share": HEAVY_SHARE,
         },
     )
+    if delayed_backlog:
+        conn.execute(
+            text(_SEED_BACKLOG),
+            {"rows": delayed_backlog, "seed": seed, "company_no": BACKLOG_COMPANY},
+        )
     for _, definition in indexes:
         conn.execute(text(definition))
 
 
-def seed(engine: Engine, rows: int, seed: int = 42) -> SeedStats:
-    """Replace every company and task with the reference workload; return its statistics."""
+def seed(engine: Engine, rows: int, seed: int = 42, delayed_backlog: int = 0) -> SeedStats:
+    """Replace every company and task with the reference workload; return its statistics.
+
+    `delayed_backlog`: that many extra pending rows, runnable only tomorrow, for one light
+    company (module docstring); 0 for the reference workload alone.
+    """
     started = time.perf_counter()
     with engine.begin() as conn:
         conn.execute(text("TRUNCATE companies, tasks"))
@@ -191,8 +230,9 @@ def seed(engine: Engine, rows: int, seed: int = 42) -> SeedStats:
             text(_SEED_COMPANIES),
             {"heavy": HEAVY_COMPANIES, "companies": COMPANIES},
         )
-        _seed_tasks(conn, rows, seed)
-        conn.execute(text(f"COMMENT ON TABLE tasks IS '{seed_marker(rows, seed)}'"))
+        _seed_tasks(conn, rows, seed, delayed_backlog)
+        marker = seed_marker(rows, seed, delayed_backlog)
+        conn.execute(text(f"COMMENT ON TABLE tasks IS '{marker}'"))
     # VACUUM sets the visibility map (index-only scans) and ANALYZE gives the planner
     # the real distribution; neither may run inside a transaction block.
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
@@ -268,6 +308,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, default=100_000, help="task rows (default 100000)")
     parser.add_argument("--seed", type=int, default=42, help="random seed (default 42)")
     parser.add_argument(
+        "--delayed-backlog",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add N pending rows runnable only tomorrow for one light company (default 0)",
+    )
+    parser.add_argument(
         "--database-url",
         help="postgresql+psycopg:// URL (created if missing); default DATABASE_URL, else an "
         "embedded server with data in .pgdata/bench",
@@ -281,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     with database(args.database_url) as url:
         engine = bench_engine(url)
         try:
-            print(seed(engine, args.rows, args.seed).describe())
+            print(seed(engine, args.rows, args.seed, args.delayed_backlog).describe())
         finally:
             engine.dispose()
     return 0

@@ -151,17 +151,20 @@ def insert_tasks(
 ) -> list[uuid.UUID]:
     """Insert `count` runnable pending tasks in one statement, then commit; ids oldest first.
 
-    They are created one second apart, the newest `newest_age_seconds` ago (database clock).
+    They are created one second apart, the newest `newest_age_seconds` ago (database clock),
+    and, like every task created without `run_at` and never retried, were runnable from the
+    moment they were created: `run_after = created_at`. So they are older eligible work in the
+    claim's order too ("eligible since", `db.queue.claim`).
     """
     rows = session.execute(
         text(
             """
             INSERT INTO tasks (company_id, type, payload, status, max_attempts, run_after,
                                created_at, updated_at)
-            SELECT :company_id, :type, CAST(:payload AS jsonb), 'pending', :max_attempts, now(),
-                   now() - make_interval(secs => :age + (:count - g)),
-                   now() - make_interval(secs => :age + (:count - g))
-            FROM generate_series(1, :count) AS g
+            SELECT :company_id, :type, CAST(:payload AS jsonb), 'pending', :max_attempts,
+                   at, at, at
+            FROM generate_series(1, :count) AS g,
+                 LATERAL (SELECT now() - make_interval(secs => :age + (:count - g)) AS at) AS c
             RETURNING id, created_at
             """
         ),
@@ -176,3 +179,21 @@ def insert_tasks(
     ).all()
     session.commit()
     return [row.id for row in sorted(rows, key=lambda row: row.created_at)]
+
+
+def insert_delayed_tasks(session: Session, company_id: uuid.UUID, count: int) -> None:
+    """Insert `count` pending tasks created two days ago, runnable only tomorrow; commit.
+
+    As a tenant's tasks scheduled with `run_at` for tomorrow, or all backed off because their
+    webhook target is down. In created_at order they come before the company's runnable work.
+    """
+    session.execute(
+        text(
+            "INSERT INTO tasks (company_id, type, payload, run_after, created_at, updated_at) "
+            "SELECT :company_id, 'noop', '{}', now() + interval '1 day' + g * interval '1 ms', "
+            "now() - interval '2 days' + g * interval '1 ms', now() "
+            "FROM generate_series(1, :count) AS g"
+        ),
+        {"company_id": company_id, "count": count},
+    )
+    session.commit()

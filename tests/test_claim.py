@@ -18,7 +18,15 @@ from sqlalchemy.orm import Session
 
 from db import queue
 from db.engine import make_engine, make_sessionmaker
-from tests.factories import MakeCompany, MakeTask, insert_company, insert_task, insert_tasks
+from scripts import bench_claim
+from tests.factories import (
+    MakeCompany,
+    MakeTask,
+    insert_company,
+    insert_delayed_tasks,
+    insert_task,
+    insert_tasks,
+)
 
 STALE = 300.0
 
@@ -144,7 +152,8 @@ def test_quiet_companies_get_into_the_first_batch_despite_a_flood(
     """A flooder's 10,000 older tasks cannot push two quiet companies out of a batch.
 
     The quiet tasks are newer than every flooder task, so only the per-company rank puts
-    them in; the order is exactly rank first, then created_at (DESIGN §1.3).
+    them in; the order is exactly rank first, then eligible since (DESIGN §1.3; for tasks
+    runnable since creation, as these, that is created_at).
     """
     flooder, quiet_a, quiet_b = (make_company(n) for n in ("flooder", "quiet-a", "quiet-b"))
     flood = insert_tasks(db_session, flooder.id, 10_000, newest_age_seconds=7200)
@@ -183,15 +192,34 @@ def _plan_nodes(
         yield from _plan_nodes(child, (*parents, node["Node Type"]))
 
 
-def test_claim_plan_scans_the_claim_index_in_order_per_company(
+CLAIM_INDEXES = {
+    # index name -> the range its Index Cond must contain (the eligibility bound).
+    "ix_tasks_pending_company_run_after": "(run_after <= now())",
+    "ix_tasks_processing_company_locked_at": "(locked_at < (now() - ",
+}
+
+
+def _candidate_scans(plan: dict[str, Any]) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
+    """The plan nodes that scan the claim's two candidate indexes, with their ancestors."""
+    return [
+        (node, parents)
+        for node, parents in _plan_nodes(plan["Plan"])
+        if node.get("Index Name") in CLAIM_INDEXES
+    ]
+
+
+def test_claim_plan_scans_the_claim_indexes_as_ranges_per_company(
     db_session: Session, make_company: MakeCompany
 ) -> None:
-    """The per-company top-K is an ordered scan of ix_tasks_claimable that LIMIT stops early.
+    """Each company's candidates are two LIMITed index range scans, merged without a Sort.
 
-    Index-ordered means no Sort between the scan and its Limit: each company costs about
-    `per_company_cap` index entries, however many rows it has. Like a live queue, each
-    company has more finished history than pending work; that history is what makes the
-    partial index the right one (ix_tasks_company_listing would walk through it).
+    Pending work comes from ix_tasks_pending_company_run_after with `run_after <= now()` as
+    an index condition, stale leases from ix_tasks_processing_company_locked_at with
+    `locked_at < now() - stale_after`; each scan feeds its Limit directly and a Merge Append
+    combines them in order (no Sort anywhere), so a company costs at most
+    2 * `per_company_cap` index entries however many rows it has. Like a live queue, each
+    company has more finished history than pending work, some delayed work and some
+    leases, live and stale.
     """
     for i in range(20):
         company = make_company(f"c{i}").id
@@ -201,21 +229,169 @@ def test_claim_plan_scans_the_claim_index_in_order_per_company(
             {"ids": history},
         )
         insert_tasks(db_session, company, 100)
+        insert_delayed_tasks(db_session, company, 200)
+        _insert_leases(db_session, company, 20, age_seconds=10)
+        _insert_leases(db_session, company, 5, age_seconds=3600)
     db_session.execute(text("ANALYZE tasks, companies"))
     [plan] = db_session.execute(
         text("EXPLAIN (FORMAT JSON) " + str(queue._CLAIM.text)),
         {"worker_id": "t", "batch_size": 100, "per_company_cap": 10, "stale_after": STALE},
     ).scalar_one()
-    scans = [
-        (node, parents)
-        for node, parents in _plan_nodes(plan["Plan"])
-        if node.get("Index Name") == "ix_tasks_claimable"
-    ]
-    assert len(scans) == 1, json.dumps(plan, indent=1)
-    node, parents = scans[0]
-    assert node["Node Type"] in ("Index Scan", "Index Only Scan")
-    assert node["Index Cond"] == "(company_id = c.id)"
-    assert parents[-2:] == ("Limit", "WindowAgg"), parents
+
+    scans = _candidate_scans(plan)
+    assert sorted(node["Index Name"] for node, _ in scans) == sorted(CLAIM_INDEXES), json.dumps(
+        plan, indent=1
+    )
+    for node, parents in scans:
+        assert node["Node Type"] in ("Index Scan", "Index Only Scan"), node
+        assert node["Index Cond"].startswith("((company_id = c.id) AND "), node["Index Cond"]
+        assert CLAIM_INDEXES[node["Index Name"]] in node["Index Cond"], node["Index Cond"]
+        # The range scan feeds its LIMIT directly: it stops after per_company_cap rows.
+        assert parents[-1] == "Limit", parents
+        # Both streams are merged in order per company, then ranked and cut at the cap.
+        merge = len(parents) - 1 - parents[::-1].index("Merge Append")
+        assert parents[merge - 2 : merge] == ("Limit", "WindowAgg"), parents
+        # No Sort anywhere between the scans and the per-company LIMIT: the merge reads
+        # each stream in index order, lazily.
+        assert parents[merge + 1 :] == ("Limit",), parents
+
+
+# -- a tenant's delayed backlog and live leases cost the claim nothing ------------------
+
+
+def _insert_leases(
+    session: Session, company_id: uuid.UUID, count: int, *, age_seconds: float
+) -> None:
+    """`count` processing tasks (created 3 days ago) whose lease started `age_seconds` ago."""
+    session.execute(
+        text(
+            "INSERT INTO tasks (company_id, type, payload, status, attempts, lease_token, "
+            "locked_by, locked_at, started_at, run_after, created_at, updated_at) "
+            "SELECT :company_id, 'noop', '{}', 'processing', 1, gen_random_uuid(), 'w:1', "
+            "now() - make_interval(secs => :age), now() - make_interval(secs => :age), "
+            "now() - interval '3 days', now() - interval '3 days', now() "
+            "FROM generate_series(1, :count)"
+        ),
+        {"company_id": company_id, "count": count, "age": float(age_seconds)},
+    )
+    session.commit()
+
+
+def _explain_analyze(session: Session, sql: str) -> dict[str, Any]:
+    """EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) of a claim statement, its effects undone."""
+    savepoint = session.begin_nested()
+    try:
+        session.execute(text("SELECT set_config('jit', 'off', true)"))
+        [plan] = session.execute(
+            text("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql),
+            {"worker_id": "t", "batch_size": 100, "per_company_cap": 10, "stale_after": STALE},
+        ).scalar_one()
+    finally:
+        savepoint.rollback()
+    result: dict[str, Any] = plan
+    return result
+
+
+def _rows_read(node: dict[str, Any]) -> float:
+    """Rows a scan node produced or filtered out, over all its loops."""
+    per_loop = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+    return float(per_loop * node["Actual Loops"])
+
+
+def _buffers(node: dict[str, Any]) -> int:
+    """Pages a node touched (cache hits and reads), over all its loops."""
+    return int(node["Shared Hit Blocks"] + node["Shared Read Blocks"])
+
+
+BACKLOG = 20_000
+LIVE_LEASES = 2_000
+
+
+def test_claim_cost_does_not_grow_with_a_tenants_delayed_backlog(
+    db_session: Session, make_company: MakeCompany
+) -> None:
+    """One tenant's 20,000 delayed tasks and 2,000 live leases are never read by a claim.
+
+    The claim's candidate scans read at most `per_company_cap` (10) entries per company and
+    branch, and touch a few pages per company: bounds that do not mention the backlog. The
+    same workload under the claim before migration 0002 (a created_at-ordered scan that
+    filters eligibility row by row) reads the whole backlog, which shows the workload
+    exercises what the bound is about. Counts and pages, not timings: EXPLAIN (ANALYZE,
+    BUFFERS) reports what each scan node read.
+    """
+    busy, *others = (make_company(f"c{i}").id for i in range(5))
+    insert_delayed_tasks(db_session, busy, BACKLOG)
+    _insert_leases(db_session, busy, LIVE_LEASES, age_seconds=10)
+    for company in (busy, *others):
+        insert_tasks(db_session, company, 30, newest_age_seconds=60)
+    db_session.execute(text("ANALYZE tasks, companies"))
+
+    plan = _explain_analyze(db_session, str(queue._CLAIM.text))
+    scans = _candidate_scans(plan)
+    assert len(scans) == 2, json.dumps(plan, indent=1)
+    for node, _ in scans:
+        loops = node["Actual Loops"]
+        assert loops == 5, node  # once per company
+        assert node.get("Rows Removed by Filter", 0) == 0, node
+        assert _rows_read(node) <= 10 * loops, node
+        # A btree descent plus the heap pages of at most 10 rows (the test's rows are not
+        # all-visible, so an index-only scan still visits the heap): far below the ~100
+        # index and ~300 heap pages the backlog and the leases occupy.
+        assert _buffers(node) <= (4 + 10) * loops, node
+    claimed = plan["Plan"]["Actual Rows"]
+    assert claimed == 5 * 10  # every company got its cap, the busy one included
+
+    # The control: the claim before 0002, on its own index, reads past the whole backlog.
+    db_session.execute(text(bench_claim.BEFORE_0002_INDEX_DDL))
+    before = _explain_analyze(db_session, bench_claim.BEFORE_0002_SQL)
+    read_before = sum(
+        _rows_read(node)
+        for node, _ in _plan_nodes(before["Plan"])
+        if node.get("Relation Name") == "tasks" and "Index Cond" in node
+        and "c.id" in node["Index Cond"]
+    )  # fmt: skip
+    assert read_before >= BACKLOG + LIVE_LEASES, json.dumps(before, indent=1)
+
+
+def test_a_retried_task_queues_behind_work_that_became_eligible_before_it(
+    db_session: Session, make_company: MakeCompany, make_task: MakeTask
+) -> None:
+    """Within a company, eligible since orders the candidates; across companies, rank does.
+
+    A's oldest task failed and was retried with backoff that ran out a minute ago: it has
+    been eligible for a minute only, so A's two younger tasks (eligible since creation, 60
+    and 30 minutes ago) go first. B's stale lease has waited since its holder was last heard
+    of 20 minutes ago (its lease ran out 15 minutes ago), before B's pending tasks became
+    eligible. Across companies the rank comes first (DESIGN §1.3): every company's first
+    before anyone's second.
+    """
+    a, b = make_company("a").id, make_company("b").id
+
+    def ago(minutes: int) -> Any:
+        return text(f"now() - interval '{minutes} minutes'")
+
+    retried = make_task(
+        a, created_at=ago(120), run_after=ago(1), attempts=1, last_error="HTTP 503"
+    ).id
+    a1 = make_task(a, created_at=ago(60), run_after=ago(60)).id
+    a2 = make_task(a, created_at=ago(30), run_after=ago(30)).id
+    b1 = make_task(b, created_at=ago(10), run_after=ago(10)).id
+    b2 = make_task(b, created_at=ago(5), run_after=ago(5)).id
+    stale = make_task(
+        b,
+        status="processing",
+        attempts=1,
+        lease_token=uuid.uuid4(),
+        locked_at=ago(20),
+        created_at=ago(90),
+        run_after=ago(90),
+    ).id
+
+    # Rank 1: A's a1 (eligible 60 minutes), B's stale lease (20); then rank 2: a2 (30), b1
+    # (10); rank 3: b2 (5), the retried task (1). A short batch takes a prefix of that order.
+    assert [t.id for t in claim(db_session, batch_size=2)] == [a1, stale]
+    # Rank 1 now: a2, b1; rank 2: b2, then the retried task.
+    assert [t.id for t in claim(db_session)] == [a2, b1, b2, retried]
 
 
 # -- locking -----------------------------------------------------------------------------
@@ -401,7 +577,10 @@ def test_a_claim_whose_snapshot_predates_another_commit_never_takes_that_row(
         with sessions() as setup:
             setup.execute(text("TRUNCATE tasks"))
             setup.commit()
-            w = insert_task(setup, company, created_at=text("now() - interval '2 hours'")).id
+            # W is the older eligible work (runnable since its creation, as the API leaves a
+            # task), so the gated claim updates it first and pauses before reaching X.
+            two_hours_ago = text("now() - interval '2 hours'")
+            w = insert_task(setup, company, created_at=two_hours_ago, run_after=two_hours_ago).id
             if interference == "heartbeat":
                 x = insert_task(
                     setup,
@@ -413,7 +592,8 @@ def test_a_claim_whose_snapshot_predates_another_commit_never_takes_that_row(
                     locked_at=text("now() - interval '1 hour'"),
                 ).id
             else:
-                x = insert_task(setup, company, created_at=text("now() - interval '1 hour'")).id
+                an_hour_ago = text("now() - interval '1 hour'")
+                x = insert_task(setup, company, created_at=an_hour_ago, run_after=an_hour_ago).id
         with _gated_claim(fresh_db_url, fresh_engine, sql) as result, sessions() as other:
             _interfere(interference, other, x, company)
         assert result, "the gated claim did not finish"
