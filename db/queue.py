@@ -50,7 +50,9 @@ def create_task(
         "payload": payload,
         "status": TaskStatus.PENDING.value,
         "max_attempts": max_attempts,
-        "run_after": run_at if run_at is not None else func.now(),
+        # A run_at in the past means "now": it must not jump ahead of work that has been
+        # runnable longer (the claim orders by eligible-since).
+        "run_after": func.greatest(run_at, func.now()) if run_at is not None else func.now(),
         "idempotency_key": idempotency_key,
         "request_hash": request_hash,
     }

@@ -334,3 +334,19 @@ def test_cancel_or_retry_of_an_unknown_task_is_404(
 
     assert response.status_code == 404
     assert json_of(response)["code"] == 404
+
+
+def test_run_at_in_the_past_means_now_and_does_not_jump_the_queue(
+    client: FlaskClient, make_company: MakeCompany
+) -> None:
+    company = make_company()
+    response = client.post(
+        f"/companies/{company.id}/tasks",
+        json={"type": "noop", "run_at": "2001-01-01T00:00:00+00:00"},
+        headers=company.headers,
+    )
+
+    assert response.status_code == 201
+    task = response.get_json()
+    # Runnable at once, but eligible since its creation, not since 2001.
+    assert task["run_after"] == task["created_at"]
