@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,7 @@ from sqlalchemy import Engine
 from db.embedded import free_port
 from tests import supervisor_harness as harness
 from tests.supervisor_harness import StartSupervisor, wait_for
+from worker import supervisor as supervisor_module
 
 
 @pytest.fixture
@@ -230,3 +231,31 @@ def test_children_that_cannot_boot_stop_the_supervisor(supervisor: StartSupervis
     assert "failed to boot 5 times in a row" in log
     assert "database unreachable" in log
     assert sup.children() == []
+
+
+def replaced(sup: StartSupervisor, victim: int) -> Callable[[], list[int] | None]:
+    """A condition: some child other than `victim` runs."""
+    return lambda: [p for p in sup.children() if p != victim] or None
+
+
+@pytest.mark.slow
+def test_a_child_that_ran_a_while_is_replaced_without_backoff(
+    supervisor: StartSupervisor,
+) -> None:
+    sup = supervisor("--concurrency", "1")
+    # Three quick deaths in a row: the backoff grows (0.25 s, 0.5 s, 1 s).
+    for _ in range(3):
+        (victim,) = sup.wait_children(1)
+        sup.seen_children.add(victim)
+        os.kill(victim, signal.SIGKILL)
+        wait_for(replaced(sup, victim), 10, "a replacement child")
+    assert "replacing it in 1.00s" in sup.log()
+    (steady,) = sup.wait_children(1)
+    time.sleep(supervisor_module.RESTART_STABLE_AFTER_SECONDS + 0.5)
+    sup.seen_children.add(steady)
+    os.kill(steady, signal.SIGKILL)
+    wait_for(lambda: [p for p in sup.children() if p != steady] or None, 10, "a replacement")
+    # It had been healthy: its successor starts at once, as after a first death.
+    assert sup.log().rstrip().count("replacing it in 0.25s") == 2
+    sup.send(signal.SIGTERM)
+    assert sup.wait(15) == 0

@@ -72,6 +72,9 @@ BOOT_FAILURE_WINDOW_SECONDS = 60.0
 RESTART_BACKOFF_BASE_SECONDS = 0.25
 RESTART_BACKOFF_MAX_SECONDS = 10.0
 RESTART_BACKOFF_WINDOW_SECONDS = 60.0
+# A child that ran this long before dying was healthy: its death does not grow the backoff
+# for its successor (supervisord's `startsecs`). Only quick deaths in a row back off.
+RESTART_STABLE_AFTER_SECONDS = 5.0
 
 # Grace of SIGQUIT: long enough for children to hand back their unstarted tasks.
 QUICK_SHUTDOWN_SECONDS = 1.0
@@ -392,6 +395,8 @@ class Supervisor:
             log.log(level, "child %d exited (%s)", proc.pid, how)
             return
         self.restarts += 1
+        if now - proc.started_at >= RESTART_STABLE_AFTER_SECONDS:
+            self._deaths.clear()
         self._deaths.append(now)
         while self._deaths and now - self._deaths[0] > RESTART_BACKOFF_WINDOW_SECONDS:
             self._deaths.popleft()
