@@ -15,7 +15,7 @@ from sqlalchemy import Engine
 
 from db.embedded import free_port
 from tests import supervisor_harness as harness
-from tests.supervisor_harness import StartSupervisor, wait_for
+from tests.supervisor_harness import RunningSupervisor, StartSupervisor, wait_for
 from worker import supervisor as supervisor_module
 
 
@@ -233,7 +233,7 @@ def test_children_that_cannot_boot_stop_the_supervisor(supervisor: StartSupervis
     assert sup.children() == []
 
 
-def replaced(sup: StartSupervisor, victim: int) -> Callable[[], list[int] | None]:
+def replaced(sup: RunningSupervisor, victim: int) -> Callable[[], list[int] | None]:
     """A condition: some child other than `victim` runs."""
     return lambda: [p for p in sup.children() if p != victim] or None
 
