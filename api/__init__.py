@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
 from flask import Flask
 
 from api import database, errors, metrics
+from api import logging as api_logging
 from api.settings import ApiSettings
 
 __all__ = ["create_app"]
@@ -40,7 +39,7 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
             "security": [{"bearer": []}],
         },
     )
-    logging.getLogger("fairq").setLevel(logging.INFO)
+    api_logging.init_app(app, level=settings.log_level, fmt=settings.log_format)
     database.init_app(app, settings.database_url)
     api = errors.FairqApi(app)
     errors.register(app)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
-from flask import current_app, request
+from flask import current_app, g, request
 from flask_smorest import abort
 
 from api import database
@@ -67,16 +67,22 @@ def _admin_token() -> str | None:
 
 
 def authenticate() -> Principal:
-    """Identify the caller. Aborts with 401 when the token is missing or matches nothing."""
+    """Identify the caller. Aborts with 401 when the token is missing or matches nothing.
+
+    The principal is also kept in `g.fairq_principal` for the request's log line.
+    """
     token = _bearer_token()
     admin = _admin_token()
     if admin is not None and hmac.compare_digest(token.encode(), admin.encode()):
-        return Principal(company_id=None)
-    company = companies.find_company_by_key_hash(database.session(), hash_api_key(token))
-    if company is None:
-        _unauthorized("invalid bearer token")
-        raise AssertionError("unreachable")  # abort raises; this satisfies the type checker
-    return Principal(company_id=company.id)
+        principal = Principal(company_id=None)
+    else:
+        company = companies.find_company_by_key_hash(database.session(), hash_api_key(token))
+        if company is None:
+            _unauthorized("invalid bearer token")
+            raise AssertionError("unreachable")  # abort raises; this satisfies the type checker
+        principal = Principal(company_id=company.id)
+    g.fairq_principal = principal
+    return principal
 
 
 def require_admin() -> None:

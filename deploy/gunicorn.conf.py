@@ -1,17 +1,24 @@
 """gunicorn settings for the fairq API (`gunicorn -c deploy/gunicorn.conf.py wsgi:app`).
 
-Every value can be overridden from the environment (GUNICORN_BIND, GUNICORN_WORKERS, ...).
+Every value can be overridden from the environment (GUNICORN_BIND, GUNICORN_WORKERS,
+GUNICORN_ACCESSLOG, ...).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 # Multiprocess metrics need a directory shared by every gunicorn worker, set before any of
 # them imports prometheus_client (STACK.md); without one, /metrics would show whichever
-# worker answered. The entrypoint or the operator may choose it; else a fresh one per run.
-os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="fairq-api-metrics-"))
+# worker answered. The entrypoint or the operator may choose it; else a fresh one per run,
+# created only then (not as setdefault's argument, which ran on every start and left an
+# empty directory behind) and removed when the master exits.
+_OWN_METRICS_DIR: str | None = None
+if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    _OWN_METRICS_DIR = tempfile.mkdtemp(prefix="fairq-api-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = _OWN_METRICS_DIR
 
 bind = os.environ.get("GUNICORN_BIND", "0.0.0.0:8000")
 workers = int(os.environ.get("GUNICORN_WORKERS", "2"))
@@ -24,7 +31,10 @@ keepalive = 5
 limit_request_line = 8190
 limit_request_fields = 100
 limit_request_field_size = 8190
-accesslog = os.environ.get("GUNICORN_ACCESSLOG", "-")
+# Off unless GUNICORN_ACCESSLOG is set (e.g. "-"): the app logs one line per request itself
+# (api/logging.py, with route template, company and request id, as JSON with LOG_FORMAT=json);
+# gunicorn's access line would be a second, differently formatted line per request.
+accesslog = os.environ.get("GUNICORN_ACCESSLOG") or None
 access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(M)sms'
 # gunicorn 27 opens a control socket in ~/.gunicorn by default; two instances would collide.
 control_socket_disable = True
@@ -43,6 +53,12 @@ def on_starting(server: object) -> None:
     for name in os.listdir(directory):
         if name.endswith(".db"):
             os.remove(os.path.join(directory, name))
+
+
+def on_exit(server: object) -> None:
+    """Remove the metrics directory this file created (an operator's stays)."""
+    if _OWN_METRICS_DIR is not None:
+        shutil.rmtree(_OWN_METRICS_DIR, ignore_errors=True)
 
 
 def child_exit(server: object, worker: object) -> None:

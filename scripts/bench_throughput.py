@@ -5,6 +5,9 @@ Each run empties the tables, inserts `--tasks` pending `noop` tasks spread evenl
 until every task is completed. Throughput is tasks / (last `finished_at` - first
 `started_at`), both from the database clock, so process start-up is not counted. Prints each
 run, the median of `--runs`, and the average claim time from the supervisor's metrics.
+Also the CPU time the supervisor and its children used per task (start-up included), which
+other load on the machine disturbs much less than the rate: compare it between settings, e.g.
+`--log-level INFO` against `WARNING`.
 
 PostgreSQL: `--database-url`, else an embedded PostgreSQL 16 with its data in
 `.pgdata/bench-throughput` (durable defaults: fsync and synchronous_commit on, unless
@@ -13,7 +16,7 @@ PostgreSQL: `--database-url`, else an embedded PostgreSQL 16 with its data in
 Usage:
     PYTHONPATH=. .venv/bin/python scripts/bench_throughput.py [--tasks 20000]
         [--companies 50] [--runs 3] [--concurrency 2] [--batch-size 100]
-        [--log-level WARNING] [--fast-commit]
+        [--log-level WARNING] [--log-format text] [--fast-commit]
         [--database-url postgresql+psycopg://postgres@127.0.0.1:5432/fairq_bench]
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import signal
 import statistics
 import subprocess
@@ -192,6 +196,12 @@ class RunResult:
     seconds: float
     claims: float
     claim_seconds: float
+    cpu_seconds: float = 0.0
+
+    @property
+    def cpu_us_per_task(self) -> float:
+        """CPU microseconds the supervisor and its children spent per task."""
+        return 1e6 * self.cpu_seconds / self.tasks
 
     @property
     def rate(self) -> float:
@@ -203,12 +213,16 @@ def run_once(engine: Engine, url: str, args: argparse.Namespace, workdir: Path) 
     """Seed, drain with a fresh supervisor, measure."""
     reset(engine)
     seed_tasks(engine, seed_companies(engine, args.companies), args.tasks)
+    # The supervisor reaps its children, and this process reaps the supervisor: its rusage
+    # then counts the whole tree.
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     sup = start_supervisor(
         url,
         workdir,
         WORKER_CONCURRENCY=str(args.concurrency),
         WORKER_BATCH_SIZE=str(args.batch_size),
         LOG_LEVEL=args.log_level,
+        LOG_FORMAT=args.log_format,
     )
     try:
         deadline = time.monotonic() + args.timeout
@@ -221,6 +235,8 @@ def run_once(engine: Engine, url: str, args: argparse.Namespace, workdir: Path) 
         metrics = sup.metrics()
     finally:
         status = sup.stop()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     if status != 0:
         raise RuntimeError(f"supervisor exited with {status}:\n{sup.log()[-3000:]}")
     with engine.connect() as conn:
@@ -232,6 +248,7 @@ def run_once(engine: Engine, url: str, args: argparse.Namespace, workdir: Path) 
         float(seconds),
         metrics.get("claim_duration_seconds_count", 0.0),
         metrics.get("claim_duration_seconds_sum", 0.0),
+        cpu,
     )
 
 
@@ -247,6 +264,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--log-level", default="WARNING",
         help="LOG_LEVEL of the worker (INFO logs a line per task, which costs throughput)",
     )  # fmt: skip
+    parser.add_argument("--log-format", default="text", choices=("text", "json"))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run at most")
     parser.add_argument(
         "--fast-commit", action="store_true",
@@ -273,15 +291,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"run {run}: {result.tasks} tasks in {result.seconds:.3f} s = "
                     f"{result.rate:,.0f} tasks/s ({result.claims:.0f} claims, "
-                    f"mean claim {claim_ms:.1f} ms)",
+                    f"mean claim {claim_ms:.1f} ms; worker CPU "
+                    f"{result.cpu_us_per_task:.1f} us/task)",
                     flush=True,
                 )
             median = statistics.median(r.rate for r in results)
+            cpu = statistics.median(r.cpu_us_per_task for r in results)
             print(
-                f"median of {args.runs}: {median:,.0f} tasks/s "
+                f"median of {args.runs}: {median:,.0f} tasks/s, worker CPU {cpu:.1f} us/task "
                 f"({args.tasks} noop tasks, {args.companies} companies, "
                 f"{args.concurrency} children, batch {args.batch_size}, "
-                f"log level {args.log_level})"
+                f"log level {args.log_level}, format {args.log_format})"
             )
         finally:
             engine.dispose()

@@ -63,6 +63,28 @@ def test_api_settings_reject_a_bad_stale_after(value: str) -> None:
         ApiSettings.from_env({"DATABASE_URL": URL, "STALE_AFTER_SECONDS": value})
 
 
+def test_api_settings_read_the_handler_variables_like_the_worker() -> None:
+    # POST /workers/process runs the same handlers as the worker: same variables, same values.
+    env = {
+        "DATABASE_URL": URL,
+        "SMTP_URL": "smtp://mail:1025",
+        "SMTP_FROM": "queue@example.com",
+        "WEBHOOK_ALLOW_PRIVATE": "true",
+        "WEBHOOK_TIMEOUT_SECONDS": "3",
+    }
+
+    api = ApiSettings.from_env(env).handler_config
+
+    assert api == WorkerSettings.from_env(env).handler_config
+    assert (api.smtp_url, api.smtp_from) == ("smtp://mail:1025", "queue@example.com")
+    assert (api.webhook_allow_private, api.webhook_timeout) == (True, 3.0)
+
+
+def test_api_settings_reject_a_bad_handler_variable_by_name() -> None:
+    with pytest.raises(SettingsError, match="WEBHOOK_ALLOW_PRIVATE"):
+        ApiSettings.from_env({"DATABASE_URL": URL, "WEBHOOK_ALLOW_PRIVATE": "maybe"})
+
+
 def test_worker_settings_need_database_url() -> None:
     with pytest.raises(SettingsError, match="DATABASE_URL is not set"):
         WorkerSettings.from_env({})

@@ -15,6 +15,14 @@ bound to a single connection (tests) is safe too.
 
 Metrics stay out of this module: the caller passes a `PassObserver` (the worker's
 Prometheus counters implement it); the default observes nothing.
+
+Logs: one line per task transition (completed, retried, failed, released, lease lost) and one
+per claim, each with `extra` fields (`event`, `task_id`, `company_id`, `type`, `attempt`,
+`duration_ms`) that the JSON format writes as keys. Never the payload, nor a handler's error
+message, which may quote it (a webhook URL, a recipient): logs name the exception class, and
+the message is in the task's `last_error`. The pass runs inside `worker.logging.batched()`, so
+its INFO lines cost one write per pass (or per `worker.logging.MAX_HOLD_SECONDS` for slow
+tasks) instead of one per task.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import logging
 import random
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +43,7 @@ from sqlalchemy.orm import Session
 from db import queue
 from db.engine import make_sessionmaker
 from worker import backoff, tasktypes
+from worker import logging as worker_logging
 from worker.errors import PermanentTaskError
 from worker.tasktypes.base import HandlerConfig, TaskContext
 
@@ -184,14 +194,15 @@ def process_batch(
     expiry. Database errors propagate.
     """
     factory = make_sessionmaker(sessions) if isinstance(sessions, Engine) else sessions
-    return _Pass(
-        factory,
-        worker_id=worker_id,
-        settings=settings or PassDefaults(),
-        stop=_stop_predicate(stop),
-        observer=observer or NoopObserver(),
-        rng=rng,
-    ).run()
+    with worker_logging.batched():
+        return _Pass(
+            factory,
+            worker_id=worker_id,
+            settings=settings or PassDefaults(),
+            stop=_stop_predicate(stop),
+            observer=observer or NoopObserver(),
+            rng=rng,
+        ).run()
 
 
 def _stop_predicate(stop: StopFlag) -> Callable[[], bool]:
@@ -227,6 +238,61 @@ class _Done:
 def _describe_error(exc: BaseException) -> str:
     message = str(exc)
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def _task_fields(
+    task: queue.ClaimedTask | queue.LostTask, event: str, seconds: float | None, **more: object
+) -> dict[str, object]:
+    """The fields of a task transition's log line; `duration_ms` is None when no handler ran.
+
+    Passed both as `extra` (keys of the JSON line) and as the message's %-mapping, so each
+    id is turned into text once per line.
+    """
+    return {
+        "event": event,
+        "task_id": str(task.id),
+        "company_id": str(task.company_id),
+        "type": task.type,
+        "attempt": task.attempts,
+        "duration_ms": None if seconds is None else round(seconds * 1000, 3),
+        **more,
+    }
+
+
+# Messages of the task transition lines, %-formatted with `_task_fields` (plus extras).
+_TASK = "task %(task_id)s (company %(company_id)s, type %(type)s)"
+MSG_COMPLETED = _TASK + " completed on attempt %(attempt)d in %(duration_ms).1f ms"
+MSG_RETRIED = (
+    _TASK + " attempt %(attempt)d/%(max_attempts)d failed after %(ran)s (%(error_type)s), "
+    "retry in %(retry_in_s).1fs"
+)
+MSG_FAILED = (
+    _TASK + " failed on attempt %(attempt)d/%(max_attempts)d after %(ran)s (%(error_type)s)"
+)
+MSG_WORKER_LOST = (
+    _TASK + " failed: worker lost on each of %(attempt)d attempts (last holder %(locked_by)s)"
+)
+MSG_RELEASED = _TASK + " released unstarted, attempt %(attempt)d handed back"
+MSG_LEASE_LOST = _TASK + " attempt %(attempt)d: lease lost, %(action)s changed nothing"
+
+
+def _ms(seconds: float | None) -> str:
+    return "no run" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def _code_traceback(exc: BaseException) -> str:
+    """Where `exc` and its causes were raised, without their messages (which may quote data)."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        frames = "".join(traceback.format_tb(current.__traceback__))
+        parts.append(f"{frames}{type(current).__module__}.{type(current).__qualname__}")
+        current = current.__cause__ or (
+            None if current.__suppress_context__ else current.__context__
+        )
+    return "\n-- raised while handling --\n".join(parts)
 
 
 class _Pass:
@@ -288,11 +354,10 @@ class _Pass:
             session, lambda: queue.fail_lost_tasks(session, stale_after=self.settings.stale_after)
         )
         for task in lost:
-            log.warning(
-                "task %s (company %s, type %s) failed: worker lost on each of %d attempts "
-                "(last holder %s)",
-                task.id, task.company_id, task.type, task.attempts, task.locked_by,
-            )  # fmt: skip
+            fields = _task_fields(
+                task, "task.failed", None, error_type="WorkerLost", locked_by=task.locked_by
+            )
+            log.warning(MSG_WORKER_LOST, fields, extra=fields)
             self.tally.failed += 1
             self.observer.failed(task.type)
 
@@ -319,11 +384,10 @@ class _Pass:
         with self._state:
             self._held = {task.id: task.lease for task in batch}
         if batch:
-            log.info("claimed %d tasks in %.1f ms", len(batch), seconds * 1000)
-        for task in batch:
-            log.debug(
-                "claimed task %s (company %s, type %s, attempt %d/%d)",
-                task.id, task.company_id, task.type, task.attempts, task.max_attempts,
+            log.info(
+                "claimed %d tasks in %.1f ms", len(batch), seconds * 1000,
+                extra={"event": "tasks.claimed", "count": len(batch),
+                       "duration_ms": round(seconds * 1000, 3)},
             )  # fmt: skip
         return batch
 
@@ -363,18 +427,14 @@ class _Pass:
                 return False
             self._lost.discard(task.id)
             self._held.pop(task.id, None)
-        log.warning(
-            "task %s (company %s, type %s) not started: its lease was taken over",
-            task.id, task.company_id, task.type,
-        )  # fmt: skip
-        self._count_lease_lost()
+        self._report_lease_lost(task, "start")
         return True
 
     def _run_one(self, session: Session, task: queue.ClaimedTask) -> None:
         task_type = tasktypes.get(task.type)
         if task_type is None:
             error = f"unknown task type {task.type!r} (registered: {', '.join(tasktypes.names())})"
-            self._fail(session, task, error, seconds=None)
+            self._fail(session, task, error, error_type="UnknownTaskType", seconds=None)
             return
         context = TaskContext(
             task_id=task.id,
@@ -389,38 +449,50 @@ class _Pass:
         try:
             task_type.handler(context)
         except PermanentTaskError as exc:
-            self._fail(session, task, _describe_error(exc), time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self._fail(
+                session, task, _describe_error(exc),
+                error_type=type(exc).__name__, seconds=seconds, exc=exc,
+            )  # fmt: skip
         except Exception as exc:
             seconds = time.perf_counter() - started
             if task.attempts >= task.max_attempts:
                 error = f"gave up after {task.attempts} attempts: {_describe_error(exc)}"
-                self._fail(session, task, error, seconds)
+                self._fail(
+                    session, task, error, error_type=type(exc).__name__, seconds=seconds, exc=exc
+                )
             else:
                 self._retry(session, task, exc, seconds)
         else:
             seconds = time.perf_counter() - started
             with self._state:
                 self._done.append(_Done(task, seconds, time.monotonic()))
-            log.debug(
-                "task %s (company %s, type %s) attempt %d succeeded in %.3fs",
-                task.id, task.company_id, task.type, task.attempts, seconds,
-            )  # fmt: skip
 
     def _fail(
-        self, session: Session, task: queue.ClaimedTask, error: str, seconds: float | None
+        self,
+        session: Session,
+        task: queue.ClaimedTask,
+        error: str,
+        *,
+        error_type: str,
+        seconds: float | None,
+        exc: BaseException | None = None,
     ) -> None:
         held = self._write(
             session, lambda: queue.fail_task(session, task.id, task.lease_token, error=error)
         )
         self._forget(task)
         if not held:
-            self._report_lease_lost(task, "fail")
+            self._report_lease_lost(task, "fail", seconds)
             return
+        # `error` goes to last_error only: a handler's message may quote the payload.
+        fields = _task_fields(task, "task.failed", seconds, error_type=error_type)
         log.warning(
-            "task %s (company %s, type %s) failed on attempt %d/%d after %s: %s",
-            task.id, task.company_id, task.type, task.attempts, task.max_attempts,
-            "no run" if seconds is None else f"{seconds:.3f}s", error,
+            MSG_FAILED, {**fields, "max_attempts": task.max_attempts, "ran": _ms(seconds)},
+            extra=fields,
         )  # fmt: skip
+        if exc is not None:
+            self._debug_traceback(task, exc)
         self.tally.failed += 1
         self.observer.failed(task.type, seconds)
 
@@ -437,45 +509,57 @@ class _Pass:
         )
         self._forget(task)
         if not held:
-            self._report_lease_lost(task, "retry")
+            self._report_lease_lost(task, "retry", seconds)
             return
+        fields = _task_fields(
+            task, "task.retried", seconds, error_type=type(exc).__name__, retry_in_s=round(delay, 3)
+        )
         log.warning(
-            "task %s (company %s, type %s) attempt %d/%d failed after %.3fs, retry in %.1fs: %s",
-            task.id, task.company_id, task.type, task.attempts, task.max_attempts, seconds,
-            delay, error,
+            MSG_RETRIED, {**fields, "max_attempts": task.max_attempts, "ran": _ms(seconds)},
+            extra=fields,
         )  # fmt: skip
-        # The traceback helps with handler bugs; it names code, never the payload.
-        log.debug("traceback of task %s", task.id, exc_info=exc)
+        self._debug_traceback(task, exc)
         self.tally.retried += 1
         self.observer.retried(task.type, seconds)
 
     def _release(self, session: Session, tasks: Sequence[queue.ClaimedTask]) -> None:
         with self._state:
             # A lease the keeper already saw taken over is not ours to release.
-            leases = [t.lease for t in tasks if t.id in self._held and t.id not in self._lost]
-        if not leases:
+            mine = [t for t in tasks if t.id in self._held and t.id not in self._lost]
+        if not mine:
             return
-        released = self._write(session, lambda: queue.release_tasks(session, leases))
+        released = self._write(
+            session, lambda: queue.release_tasks(session, [t.lease for t in mine])
+        )
         for task in tasks:
             self._forget(task)
-        log.info("released %d unstarted tasks", len(released))
         self.tally.released += len(released)
         self.observer.released(len(released))
-        for lease in leases:
-            if lease.task_id not in released:
-                log.warning("task %s not released: its lease was taken over", lease.task_id)
-                self._count_lease_lost()
+        for task in mine:
+            if task.id not in released:
+                self._report_lease_lost(task, "release")
+                continue
+            fields = _task_fields(task, "task.released", None)
+            log.info(MSG_RELEASED, fields, extra=fields)
 
     def _forget(self, task: queue.ClaimedTask) -> None:
         with self._state:
             self._held.pop(task.id, None)
 
-    def _report_lease_lost(self, task: queue.ClaimedTask, action: str) -> None:
-        log.warning(
-            "task %s (company %s, type %s) attempt %d: lease lost, %s changed nothing",
-            task.id, task.company_id, task.type, task.attempts, action,
-        )  # fmt: skip
+    def _report_lease_lost(
+        self, task: queue.ClaimedTask, action: str, seconds: float | None = None
+    ) -> None:
+        fields = _task_fields(task, "task.lease_lost", seconds, action=action)
+        log.warning(MSG_LEASE_LOST, fields, extra=fields)
         self._count_lease_lost()
+
+    def _debug_traceback(self, task: queue.ClaimedTask, exc: BaseException) -> None:
+        # Helps with handler bugs; names code only (exception messages may quote the payload).
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "traceback of task %s:\n%s", task.id, _code_traceback(exc),
+                extra={"event": "task.traceback", "task_id": str(task.id)},
+            )  # fmt: skip
 
     def _count_lease_lost(self) -> None:
         with self._state:
@@ -515,12 +599,10 @@ class _Pass:
             self._forget(item.task)
             task = item.task
             if task.id not in completed:
-                self._report_lease_lost(task, "complete")
+                self._report_lease_lost(task, "complete", item.seconds)
                 continue
-            log.info(
-                "task %s (company %s, type %s) completed on attempt %d in %.3fs",
-                task.id, task.company_id, task.type, task.attempts, item.seconds,
-            )  # fmt: skip
+            fields = _task_fields(task, "task.completed", item.seconds)
+            log.info(MSG_COMPLETED, fields, extra=fields)
             with self._state:
                 self.tally.completed += 1
             self.observer.completed(task.type, item.seconds)
@@ -562,6 +644,8 @@ class _LeaseKeeper(threading.Thread):
                         next_beat = time.monotonic() + owner.heartbeat_interval
                         owner.heartbeat(session)
                     owner.flush_completions(session, force=False)
+                    # Lines of a batch of slow tasks must not wait for the end of the pass.
+                    worker_logging.write_due()
                 except Exception:
                     # A failed beat or flush is retried next tick; the main thread's final
                     # flush reports what still fails.
