@@ -1,20 +1,41 @@
-"""Per-request database sessions bound to the app's engine."""
+"""Per-request database sessions bound to the app's engine, and the readiness probe's engine."""
 
 from __future__ import annotations
 
+import math
+
 from flask import Flask, current_app, g
-from sqlalchemy import Engine
+from sqlalchemy import Engine, pool
 from sqlalchemy.orm import Session, sessionmaker
 
 from db.engine import make_engine, make_sessionmaker
 
 _EXT = "fairq.database"
+_PROBE_EXT = "fairq.database.probe"
+# libpq (and psycopg) take whole seconds and treat anything below 2 as 2.
+MIN_CONNECT_TIMEOUT_SECONDS = 2
 
 
 def init_app(app: Flask, database_url: str) -> None:
-    """Create the app's engine and close the request's session at teardown."""
+    """Create the app's engines and close the request's session at teardown.
+
+    Besides the pooled engine of the views, a probe engine for `/ready`: no pool (each probe
+    opens a fresh connection, so it proves the server accepts connections, and never waits
+    on a pooled socket to a hung server) and a connect timeout derived from the readiness
+    timeout (`FAIRQ_SETTINGS.ready_timeout_ms`) instead of the views' 5 seconds.
+    """
     engine = make_engine(database_url, application_name="fairq-api")
     app.extensions[_EXT] = (engine, make_sessionmaker(engine))
+    settings = app.config.get("FAIRQ_SETTINGS")
+    timeout_ms = settings.ready_timeout_ms if settings is not None else 1000
+    app.extensions[_PROBE_EXT] = make_engine(
+        database_url,
+        application_name="fairq-api-probe",
+        poolclass=pool.NullPool,
+        connect_args={
+            "connect_timeout": max(MIN_CONNECT_TIMEOUT_SECONDS, math.ceil(timeout_ms / 1000))
+        },
+    )
 
     @app.teardown_appcontext
     def _close_session(_exc: BaseException | None) -> None:
@@ -32,6 +53,17 @@ def engine_of(app: Flask) -> Engine:
 def engine() -> Engine:
     """The current app's engine."""
     return engine_of(current_app)
+
+
+def probe_engine_of(app: Flask) -> Engine:
+    """The readiness-probe engine of `app` (unpooled, short connect timeout)."""
+    probe: Engine = app.extensions[_PROBE_EXT]
+    return probe
+
+
+def probe_engine() -> Engine:
+    """The current app's readiness-probe engine."""
+    return probe_engine_of(current_app)
 
 
 def session() -> Session:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import runpy
 import shutil
 import stat
 import subprocess
+import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any, Final
@@ -646,3 +648,35 @@ def test_the_api_exposes_the_metric_names_the_alerts_and_dashboard_use(
 
     assert api_names <= exposed, f"not exposed by the API: {api_names - exposed}"
     assert 'url_rule="/companies/<uuid:company_id>/tasks"' in api_metrics_text
+
+
+def _load_gunicorn_config() -> dict[str, Any]:
+    return runpy.run_path(str(ROOT / "deploy" / "gunicorn.conf.py"))
+
+
+def test_gunicorn_config_creates_no_metrics_directory_when_one_is_configured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "metrics"))
+
+    _load_gunicorn_config()
+
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_gunicorn_config_removes_the_metrics_directory_it_created_on_exit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")  # restored after the test
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+
+    config = _load_gunicorn_config()
+    created = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    (created / "counter_1.db").write_bytes(b"")
+    config["on_exit"](None)
+
+    assert created.parent == tmp_path
+    assert not created.exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import multiprocessing
 import os
@@ -13,12 +14,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from flask import Flask
 from flask.testing import FlaskClient
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from db import queue
 from db.engine import make_engine, make_sessionmaker
+from scripts import chaos
 from tests.factories import CreatedTask, MakeCompany, insert_company, insert_tasks, json_of
 from worker import processing, tasktypes
 from worker.errors import PermanentTaskError
@@ -457,6 +460,30 @@ def test_post_workers_process_runs_one_pass_for_the_admin(
     for task in tasks:
         shown = client.get(f"/companies/{company.id}/tasks/{task['id']}", headers=company.headers)
         assert json_of(shown)["status"] == "completed"
+
+
+@pytest.mark.usefixtures("quiet_processing_logs")
+def test_post_workers_process_runs_handlers_with_the_api_handler_settings(
+    app: Flask,
+    make_company: MakeCompany,
+    created_task: CreatedTask,
+    admin_headers: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # WEBHOOK_ALLOW_PRIVATE=true reaches the API's pass as it reaches the worker's: a webhook
+    # to 127.0.0.1 is delivered instead of failed for good by the SSRF guard.
+    allow_private = HandlerConfig(webhook_allow_private=True, webhook_timeout=5.0)
+    settings = dataclasses.replace(app.config["FAIRQ_SETTINGS"], handler_config=allow_private)
+    monkeypatch.setitem(app.config, "FAIRQ_SETTINGS", settings)
+    company = make_company()
+
+    with chaos.Receiver() as receiver:
+        task = created_task(company, "webhook", {"url": receiver.url})
+        response = app.test_client().post("/workers/process", headers=admin_headers)
+        deliveries = receiver.deliveries()
+
+    assert json_of(response)["completed"] == 1
+    assert deliveries == {task["id"]: [200]}
 
 
 def test_post_workers_process_needs_the_admin_token(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -67,6 +69,34 @@ def test_ready_is_503_when_the_database_is_unreachable(offline_client: FlaskClie
     body = json_of(response)
     assert body["status"] == "unavailable"
     assert body["database"] == "unreachable"
+
+
+@pytest.fixture
+def silent_server_url() -> Iterator[str]:
+    """A database URL whose server accepts TCP connections and never answers (hung server)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)  # the kernel completes handshakes; nobody ever reads
+        yield f"postgresql+psycopg://postgres@127.0.0.1:{listener.getsockname()[1]}/hung"
+
+
+def test_ready_is_503_within_seconds_when_the_database_does_not_answer(
+    silent_server_url: str,
+) -> None:
+    app = make_test_app(silent_server_url)
+    try:
+        started = time.monotonic()
+        response = app.test_client().get("/ready")
+        elapsed = time.monotonic() - started
+    finally:
+        with app.app_context():
+            database.engine().dispose()
+
+    assert response.status_code == 503
+    assert json_of(response) == {"status": "unavailable", "database": "unreachable"}
+    # A probe's verdict must come before a typical probe timeout, not after the API's
+    # 5-second connect timeout.
+    assert elapsed < 3.0
 
 
 def test_an_api_call_with_the_database_down_is_503_not_500(

@@ -418,6 +418,8 @@ class Supervisor:
             log.error("child %d could not boot: %s; retrying in %.2fs", proc.pid, reason, delay)
             return
         log.error("child %d could not boot: %s", proc.pid, reason)
+        if self._stop is not None:
+            return  # already stopping: the first reason stands
         self._stop = _StopRequest(
             f"children failed to boot {len(self._boot_failures)} times in a row; "
             f"last reason: {reason}",

@@ -1,8 +1,9 @@
 """/workers/process: run one processing pass inside the API process (admin only).
 
 For operations and tests without a running supervisor (DESIGN §3). The pass uses the worker
-defaults (batch 100, at most 10 per company) and the API's `STALE_AFTER_SECONDS`; it runs in
-the request, so the response waits for every claimed task's handler.
+defaults (batch 100, at most 10 per company), the API's `STALE_AFTER_SECONDS` and the same
+handler settings as the worker (`SMTP_URL`, `WEBHOOK_ALLOW_PRIVATE`, ...); it runs in the
+request, so the response waits for every claimed task's handler.
 """
 
 from __future__ import annotations
@@ -54,5 +55,7 @@ class Process(MethodView):
         return processing.process_batch(
             database.session_factory(),
             worker_id=f"{socket.gethostname()}:{os.getpid()}:api",
-            settings=processing.PassDefaults(stale_after=settings.stale_after_seconds),
+            settings=processing.PassDefaults(
+                stale_after=settings.stale_after_seconds, handler_config=settings.handler_config
+            ),
         )
