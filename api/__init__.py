@@ -48,7 +48,9 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     _serve_swagger_assets(app)
     metrics.init_app(
         app,
-        database.engine_of(app),
+        # The probe engine: unpooled with a short connect timeout, so a hung database
+        # delays a scrape by about two seconds, not the views' five plus a pool wait.
+        database.probe_engine_of(app),
         timeout_ms=settings.ready_timeout_ms,
         multiprocess=settings.metrics_multiprocess,
     )

@@ -486,6 +486,9 @@ class Supervisor:
         """Fork one child; return False when fork failed (retried after a delay)."""
         status_r, status_w = os.pipe()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+        # Read before forking: if the supervisor died between fork and the child's getppid(),
+        # the child would record pid 1 as its parent and never notice it was orphaned.
+        supervisor_pid = os.getpid()
         try:
             pid = os.fork()
         except OSError as exc:
@@ -496,7 +499,7 @@ class Supervisor:
             self._spawn_after = time.monotonic() + 1.0
             return False
         if pid == 0:  # pragma: no cover  (runs in the child; covered by the process tests)
-            self._become_child(status_r, status_w, mask)
+            self._become_child(status_r, status_w, mask, supervisor_pid)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(status_w)
         os.set_blocking(status_r, False)
@@ -504,7 +507,9 @@ class Supervisor:
         log.info("spawned child %d", pid)
         return True
 
-    def _become_child(self, status_r: int, status_w: int, mask: set[int | signal.Signals]) -> None:
+    def _become_child(
+        self, status_r: int, status_w: int, mask: set[int | signal.Signals], supervisor_pid: int
+    ) -> None:
         """Turn this freshly forked process into a child; never returns."""
         code = 1
         try:
@@ -519,7 +524,7 @@ class Supervisor:
                 if proc.status_fd >= 0:
                     os.close(proc.status_fd)
             inherited = child.Inherited(
-                parent_pid=os.getppid(),
+                parent_pid=supervisor_pid,
                 status_fd=status_w,
                 signal_mask=frozenset(signal.Signals(sig) for sig in mask),
             )
