@@ -6,9 +6,17 @@ from typing import Any
 
 from marshmallow import ValidationError, fields
 
-from worker.tasktypes.fields import FullMatch
+from worker.tasktypes.fields import SINGLE_LINE, FullMatch
 
-__all__ = ["NO_NUL", "FullMatch", "QueryInteger"]
+__all__ = ["NO_NUL", "SINGLE_LINE", "FullMatch", "QueryInteger", "not_blank"]
+
+
+def not_blank(value: str) -> str:
+    """Reject a string of only whitespace. A function, not a regex: a field publishes one
+    `pattern` in OpenAPI, and the single-line rule already is one."""
+    if not value.strip():
+        raise ValidationError("must not be blank")
+    return value
 
 
 # PostgreSQL text cannot hold NUL: reject it in validation, not as a driver error (a 5xx).

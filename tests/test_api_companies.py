@@ -221,3 +221,16 @@ def test_stored_key_is_only_its_sha256_hex_digest(
     assert key not in row["as_json"]
     for column, value in row.items():
         assert key not in str(value), column
+
+
+@pytest.mark.parametrize("name", ["   ", "line\nbreak", "tab\there", "bell\x07", "c1\x85"])
+def test_blank_or_multiline_company_name_is_422_naming_the_field(
+    client: FlaskClient, admin_headers: dict[str, str], db_session: Session, name: str
+) -> None:
+    before = db_session.scalar(text("SELECT count(*) FROM companies"))
+
+    response = client.post("/companies", json={"name": name}, headers=admin_headers)
+
+    assert response.status_code == 422
+    assert json_of(response)["errors"]["json"]["name"]
+    assert db_session.scalar(text("SELECT count(*) FROM companies")) == before

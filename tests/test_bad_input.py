@@ -543,3 +543,15 @@ def test_webhook_header_that_http_cannot_carry_is_422_and_nothing_is_stored(
     errors = assert_error(response, 422, location="json")
     assert errors["payload"]["headers"][name][part]
     assert_nothing_stored(db_session, company)
+
+
+@pytest.mark.parametrize("subject", ["s\r\nBcc: x@example.com", "line\nbreak", "nul\x01"])
+def test_email_subject_with_a_line_break_is_422_and_nothing_is_stored(
+    client: FlaskClient, company: CompanyWithKey, db_session: Session, subject: str
+) -> None:
+    payload = {"to": "a@example.com", "subject": subject}
+    response = post_task(client, company, {"type": "send_email", "payload": payload})
+
+    errors = assert_error(response, 422, location="json")
+    assert errors["payload"]["subject"]
+    assert_nothing_stored(db_session, company)

@@ -15,8 +15,12 @@ class CompanyCreateSchema(Schema):
 
     name = fields.String(
         required=True,
-        validate=[validate.Length(min=1, max=200), validators.NO_NUL],
-        metadata={"description": "Display name, 1..200 characters."},
+        validate=[
+            validate.Length(min=1, max=200),
+            validators.SINGLE_LINE,
+            validators.not_blank,
+        ],
+        metadata={"description": "Display name, 1..200 characters, one line, not blank."},
     )
 
 

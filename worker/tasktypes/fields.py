@@ -53,3 +53,9 @@ HTTP_FIELD_NAME = FullMatch(
 # RFC 9110 section 5.5, restricted to ASCII: no CR, LF or NUL, which would split or end the
 # header (request smuggling), and nothing `requests` cannot encode.
 HTTP_FIELD_VALUE = FullMatch(r"[\t\x20-\x7e]*", error="must be printable ASCII without line breaks")
+
+# One line of text: no control characters (C0, DEL, C1). A line break in an email subject
+# would end the header; in a display name it forges lines in logs and UIs.
+SINGLE_LINE = FullMatch(
+    r"[^\x00-\x1f\x7f-\x9f]*", error="must be one line without control characters"
+)

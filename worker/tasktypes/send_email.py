@@ -13,6 +13,7 @@ from marshmallow import RAISE, Schema, fields, validate
 
 from worker.errors import PermanentTaskError
 from worker.tasktypes.base import HandlerConfig, TaskContext, TaskType
+from worker.tasktypes.fields import SINGLE_LINE
 
 # Seconds for connecting and for each SMTP command; a relay slower than this is treated as down
 # and the task is retried.
@@ -35,7 +36,7 @@ class SendEmailPayload(Schema):
         unknown = RAISE
 
     to = fields.Email(required=True, metadata={"description": "Recipient address."})
-    subject = fields.String(required=True, validate=validate.Length(min=1, max=998))
+    subject = fields.String(required=True, validate=[validate.Length(min=1, max=998), SINGLE_LINE])
     body = fields.String(load_default="", validate=validate.Length(max=60_000))
 
 
