@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -56,6 +58,48 @@ def ensure_database(url: str) -> None:
             conn.execute(f'CREATE DATABASE "{parsed.database}"')
 
 
+def wait_until_serving(
+    url: str,
+    procs: list[subprocess.Popen[bytes]],
+    stopping: Callable[[], bool],
+    timeout: float = 60.0,
+) -> bool:
+    """Poll `url` until it answers 200; False if a process exits, we stop, or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not stopping():
+        if any(proc.poll() is not None for proc in procs):
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def start_database() -> tuple[EmbeddedPostgres | None, str] | None:
+    """`DATABASE_URL`, or start the embedded server; None (after saying why) if it fails."""
+    database_url = os.environ.get("DATABASE_URL", "").strip()
+    if database_url:
+        return None, database_url
+    embedded = EmbeddedPostgres(ROOT / ".pgdata" / "dev", EMBEDDED_PORT)
+    print(f"starting embedded PostgreSQL 16 on 127.0.0.1:{EMBEDDED_PORT} (.pgdata/dev)")
+    try:
+        embedded.start()
+    except (subprocess.CalledProcessError, TimeoutError) as exc:
+        detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
+        print(
+            f"\ncannot start the embedded PostgreSQL (is port {EMBEDDED_PORT} in use? "
+            f"`ss -ltnp | grep {EMBEDDED_PORT}`), or set DATABASE_URL to a server you run."
+            f"\nLast lines of its log:\n{str(detail).strip()[-1500:]}",
+            file=sys.stderr,
+        )
+        return None
+    return embedded, embedded.url("fairq")
+
+
 def main() -> int:
     """Run until interrupted; return the exit status."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -63,13 +107,10 @@ def main() -> int:
     parser.add_argument("--no-worker", action="store_true", help="start only the API")
     args = parser.parse_args()
 
-    embedded: EmbeddedPostgres | None = None
-    database_url = os.environ.get("DATABASE_URL", "").strip()
-    if not database_url:
-        embedded = EmbeddedPostgres(ROOT / ".pgdata" / "dev", EMBEDDED_PORT)
-        print(f"starting embedded PostgreSQL 16 on 127.0.0.1:{EMBEDDED_PORT} (.pgdata/dev)")
-        embedded.start()
-        database_url = embedded.url("fairq")
+    started = start_database()
+    if started is None:
+        return 1
+    embedded, database_url = started
     ensure_database(database_url)
 
     token = admin_token()
@@ -112,8 +153,12 @@ def main() -> int:
     signal.signal(signal.SIGTERM, request_stop)
 
     base = f"http://127.0.0.1:{args.port}"
+    # Announce only once the API answers, so the first curl pasted works.
+    if not wait_until_serving(f"{base}/health", procs, lambda: stopping):
+        print(f"the API did not come up on {base}; stopping", file=sys.stderr, flush=True)
+        stopping = True
     print(
-        f"\nfairq is starting on {base} (docs: {base}/docs)\n"
+        f"\nfairq is running on {base} (docs: {base}/docs)\n"
         f"Admin token: {token}\n\n"
         "Next, in another shell in this directory, create a company:\n\n"
         "  ADMIN_TOKEN=$(cat .run/admin_token)\n"
