@@ -4,21 +4,50 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
 from sqlalchemy import Engine, create_engine
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+# libpq parameters of every connection (psycopg passes them through). Without them a call on
+# a black-holed network (a failover, a dropped route) blocks for the kernel's retransmission
+# timeout, about 15 minutes: keepalives notice a dead idle peer after 10 + 3 * 5 s, and
+# tcp_user_timeout (ms) bounds how long sent data may stay unacknowledged.
+TCP_ARGS: dict[str, int] = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
 
-def make_engine(url: str, *, application_name: str = "fairq", **kwargs: Any) -> Engine:
+
+def make_engine(
+    url: str,
+    *,
+    application_name: str = "fairq",
+    statement_timeout_ms: int | None = None,
+    **kwargs: Any,
+) -> Engine:
     """Build an engine for a `postgresql+psycopg://` URL.
 
     `pool_pre_ping` lets a process survive a database restart: a dead pooled connection is
     replaced instead of failing the next request. `hide_parameters`: an error's text (and so
-    a logged traceback) never shows bound values, which include task payloads. Extra keyword
-    arguments go to `create_engine` (tests pass `poolclass`).
+    a logged traceback) never shows bound values, which include task payloads. Every
+    connection gets `TCP_ARGS`. `statement_timeout_ms` (workers only: migrations and the
+    API's views may legitimately run long) makes the server cancel any statement, lock waits
+    included, after that long. Extra keyword arguments go to `create_engine` (tests pass
+    `poolclass`).
     """
     connect_args = kwargs.pop("connect_args", {})
     connect_args.setdefault("application_name", application_name)
     connect_args.setdefault("connect_timeout", 5)
+    for name, value in TCP_ARGS.items():
+        connect_args.setdefault(name, value)
+    if statement_timeout_ms is not None:
+        timeout = f"-c statement_timeout={int(statement_timeout_ms)}"
+        given = connect_args.get("options")
+        connect_args["options"] = f"{given} {timeout}" if given else timeout
     kwargs.setdefault("hide_parameters", True)
     return create_engine(url, pool_pre_ping=True, connect_args=connect_args, **kwargs)
 
@@ -26,3 +55,15 @@ def make_engine(url: str, *, application_name: str = "fairq", **kwargs: Any) -> 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     """Session factory whose objects stay readable after commit (views serialize them)."""
     return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Tell whether a database error is one to wait out (connection lost, server down).
+
+    Anything else (a bug, a missing column) should propagate, so that it shows up as a crash
+    and a restart rather than as a quiet retry loop. A statement cancelled by
+    `statement_timeout` is an `OperationalError` too: transient.
+    """
+    if isinstance(exc, OperationalError | InterfaceError | psycopg.OperationalError):
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated

@@ -324,9 +324,11 @@ claimed AS (
         attempts = t.attempts + 1,            -- crashes count too (poison pills)
         lease_token = gen_random_uuid(),      -- the fencing token of this attempt
         locked_by = :worker_id,
-        locked_at = now(),                    -- lease start; refreshed by heartbeat
-        started_at = coalesce(t.started_at, now()),
-        updated_at = now()
+        -- statement_timestamp(), not now() (the transaction start, before the wait for the
+        -- claimers' advisory lock): a lease must not start shortened by that wait.
+        locked_at = statement_timestamp(),    -- lease start; refreshed by heartbeat
+        started_at = coalesce(t.started_at, statement_timestamp()),
+        updated_at = statement_timestamp()
     FROM locked l
     WHERE t.id = l.id
     RETURNING t.id, t.company_id, t.type, t.payload, t.attempts, t.max_attempts,

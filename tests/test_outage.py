@@ -243,14 +243,6 @@ def test_a_child_lost_during_a_database_outage_is_replaced_once_the_database_ret
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "worker/processing.py: a database error ends the pass and drops its unwritten "
-        "completions and unstarted leases; those tasks wait out STALE_AFTER_SECONDS and run "
-        "again (see the hardening report)"
-    ),
-)
 def test_tasks_finished_during_a_short_outage_are_recorded_without_running_again(
     own_postgres: EmbeddedPostgres, tmp_path: Path
 ) -> None:

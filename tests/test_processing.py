@@ -13,10 +13,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psycopg
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, pool, text
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from db import queue
@@ -337,6 +339,195 @@ def test_completions_are_written_while_a_later_task_still_runs(
 
     assert run_pass(sessions) == processing.PassResult(claimed=2, completed=2)
     assert seen_by_slow == ["completed"]
+
+
+def test_an_unstarted_task_the_keeper_saw_taken_over_counts_as_lost_when_stopping(
+    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+) -> None:
+    stop = threading.Event()
+
+    def first(task: TaskContext) -> None:
+        with sessions() as other:  # another worker takes the second task over meanwhile
+            other.execute(
+                text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
+                {"id": second_id},
+            )
+            queue.claim(other, worker_id="other:2", batch_size=1, per_company_cap=1, stale_after=2)
+            other.commit()
+        time.sleep(0.5)  # a few heartbeats: the keeper finds the second lease taken over
+        stop.set()
+
+    register("first", first)
+    [_first_id] = add_tasks(sessions, company, 1, "first", newest_age_seconds=60)
+    [second_id] = add_tasks(sessions, company, 1, "noop")
+    settings = processing.PassDefaults(stale_after=2.0, heartbeat_interval=0.1)
+    observer = Recorder()
+
+    result = run_pass(sessions, settings=settings, stop=stop, observer=observer)
+
+    assert result == processing.PassResult(claimed=2, completed=1, lease_lost=1)
+    assert ("lease_lost", 1) in observer.calls
+    [stored] = rows(sessions, [second_id])
+    assert (stored["status"], stored["locked_by"]) == ("processing", "other:2")
+
+
+# -- database errors: nothing owed is dropped -----------------------------------------------
+
+
+def _database_down() -> OperationalError:
+    return OperationalError("statement", {}, psycopg.OperationalError("server closed"))
+
+
+def test_a_database_error_before_a_task_starts_releases_that_task_unrun(
+    sessions: sessionmaker[Session],
+    company: uuid.UUID,
+    register: Register,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lease confirmation before the second task fails: it and the rest go back."""
+    started: list[uuid.UUID] = []
+
+    def slow(task: TaskContext) -> None:
+        started.append(task.task_id)
+        time.sleep(0.3)  # past stale_after / 2: the next task confirms its lease first
+
+    def heartbeat_fails_in_the_pass(session: Session, leases: Any) -> set[uuid.UUID]:
+        if threading.current_thread() is threading.main_thread():
+            raise _database_down()
+        return real_heartbeat(session, leases)
+
+    real_heartbeat = queue.heartbeat
+    monkeypatch.setattr(queue, "heartbeat", heartbeat_fails_in_the_pass)
+    register("slow", slow)
+    ids = add_tasks(sessions, company, 3, "slow", max_attempts=1)
+    settings = processing.PassDefaults(stale_after=0.4, heartbeat_interval=0.35)
+    observer = Recorder()
+
+    with pytest.raises(OperationalError):
+        run_pass(sessions, settings=settings, observer=observer)
+
+    assert started == ids[:1]
+    first, *rest = rows(sessions, ids)
+    assert first["status"] == "completed"
+    assert [(r["status"], r["attempts"], r["lease_token"]) for r in rest] == [
+        ("pending", 0, None)
+    ] * 2
+    assert ("released", 2) in observer.calls
+
+
+def test_work_owed_after_a_database_error_is_written_by_the_next_pass_and_not_run_again(
+    sessions: sessionmaker[Session],
+    company: uuid.UUID,
+    register: Register,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runs: list[uuid.UUID] = []
+    down = True
+
+    def while_down(real: Callable[..., set[uuid.UUID]]) -> Callable[..., set[uuid.UUID]]:
+        def statement(session: Session, leases: Any) -> set[uuid.UUID]:
+            if down:
+                raise _database_down()
+            return real(session, leases)
+
+        return statement
+
+    for name in ("complete_tasks", "release_tasks"):
+        monkeypatch.setattr(queue, name, while_down(getattr(queue, name)))
+    register("counted", lambda task: runs.append(task.task_id))
+    ids = add_tasks(sessions, company, 3, "counted")
+    owed = processing.Owed()
+    observer = Recorder()
+
+    # The first task runs, then the pass stops; neither its completion nor the release of
+    # the other two can be written.
+    with pytest.raises(OperationalError):
+        run_pass(sessions, stop=lambda: len(runs) == 1, owed=owed, observer=observer)
+    assert (owed.completions, owed.releases) == (1, 2)
+    # Still down: the next pass writes nothing, claims nothing, and keeps it all owed.
+    with pytest.raises(OperationalError):
+        run_pass(sessions, owed=owed, observer=observer)
+    assert (owed.completions, owed.releases) == (1, 2)
+    assert [(r["status"], r["attempts"]) for r in rows(sessions, ids)] == [("processing", 1)] * 3
+    assert not [c for c in observer.calls if c[0] in ("completed", "released")]
+
+    down = False
+    result = run_pass(sessions, owed=owed, observer=observer)
+
+    assert not owed
+    # The owed completion and releases first, then the released two are claimed and run.
+    assert result == processing.PassResult(claimed=2, completed=3, released=2)
+    assert sorted(runs) == sorted(ids)
+    assert [r["status"] for r in rows(sessions, ids)] == ["completed"] * 3
+    assert observer.calls.count(("completed", "counted")) == 3
+    assert observer.calls.count(("released", 2)) == 1
+
+
+def test_write_owed_writes_what_a_failed_pass_kept(
+    sessions: sessionmaker[Session], company: uuid.UUID, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def complete_fails(session: Session, leases: Any) -> set[uuid.UUID]:
+        raise _database_down()
+
+    ids = add_tasks(sessions, company, 2, "noop")
+    owed = processing.Owed()
+    with monkeypatch.context() as patched:
+        patched.setattr(queue, "complete_tasks", complete_fails)
+        with pytest.raises(OperationalError):
+            run_pass(sessions, owed=owed)
+    assert owed.completions == 2
+
+    assert processing.write_owed(sessions, owed) == processing.PassResult(completed=2)
+    assert not owed
+    assert [r["status"] for r in rows(sessions, ids)] == ["completed"] * 2
+
+
+def test_the_lease_keeper_logs_a_database_outage_once_not_every_tick(
+    sessions: sessionmaker[Session],
+    company: uuid.UUID,
+    register: Register,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def complete_fails(session: Session, leases: Any) -> set[uuid.UUID]:
+        raise _database_down()
+
+    monkeypatch.setattr(queue, "complete_tasks", complete_fails)
+    register("slow", lambda task: time.sleep(0.6))  # about ten keeper ticks of failed flushes
+    add_tasks(sessions, company, 1, "noop", newest_age_seconds=60)
+    add_tasks(sessions, company, 1, "slow")
+
+    with (
+        caplog.at_level("WARNING", logger="fairq.worker.processing"),
+        pytest.raises(OperationalError),
+    ):
+        run_pass(sessions)
+
+    keeper = [r for r in caplog.records if r.getMessage().startswith("lease keeper")]
+    assert len(keeper) == 1, [r.getMessage() for r in keeper]
+    assert keeper[0].levelname == "WARNING"
+    assert keeper[0].exc_info is None
+
+
+# -- the worker's engine ------------------------------------------------------------------
+
+
+def test_worker_engines_bound_statements_and_detect_dead_peers(fresh_db_url: str) -> None:
+    worker = make_engine(fresh_db_url, poolclass=pool.NullPool, statement_timeout_ms=1234)
+    plain = make_engine(fresh_db_url, poolclass=pool.NullPool)
+    try:
+        with worker.connect() as conn:
+            assert conn.execute(text("SHOW statement_timeout")).scalar_one() == "1234ms"
+            info = conn.connection.dbapi_connection.info  # type: ignore[union-attr]
+            params = info.get_parameters()
+            assert (params["keepalives_idle"], params["tcp_user_timeout"]) == ("10", "30000")
+            with pytest.raises(OperationalError, match="statement timeout"):
+                conn.execute(text("SELECT pg_sleep(2)"))
+        with plain.connect() as conn:
+            assert conn.execute(text("SHOW statement_timeout")).scalar_one() == "0"
+    finally:
+        worker.dispose()
+        plain.dispose()
 
 
 # -- leases held by a live worker, lost by a dead one -------------------------------------

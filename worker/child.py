@@ -12,11 +12,16 @@ Forked by `worker.supervisor`. In order, a child:
 3. loops: one processing pass; if it claimed anything, the next at once; otherwise it waits
    for a NOTIFY on `settings.notify_channel` or `poll_interval`, whichever comes first.
    NOTIFY is only a hint: a lost listener is reconnected with backoff and polling alone stays
-   correct. A database error never ends the child: it logs, backs off (0.5 s doubling to
-   10 s) and tries again, so a PostgreSQL restart costs a few seconds, not the process;
+   correct. A transient database error never ends the child: it logs, backs off (0.5 s
+   doubling to 10 s) and tries again, so a PostgreSQL restart costs a few seconds, not the
+   process. What the interrupted pass could not write (completions, releases of unstarted
+   tasks) stays owed (`processing.Owed`): the next pass writes it before it claims, so those
+   tasks neither wait out their leases nor run again. Every statement of the child's engine
+   is bounded by `processing.WORKER_STATEMENT_TIMEOUT_MS`;
 4. stops when the stop flag is set (the pass finishes the task in hand and releases the rest
    of its batch) or when its parent is gone (`os.getppid()` changed; checked before every
-   task and at least every `ORPHAN_CHECK_SECONDS` while waiting), then exits 0.
+   task and at least every `ORPHAN_CHECK_SECONDS` while waiting), makes one last attempt to
+   write what it still owes, then exits 0.
 
 Every `MAINTENANCE_INTERVAL_SECONDS` a child also tries the retention step
 (`db.maintenance`); an advisory lock lets one runner at a time do it, across all hosts.
@@ -41,7 +46,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from db import engine as db_engine
@@ -49,7 +54,7 @@ from db import maintenance
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
-    from worker import metrics
+    from worker import metrics, processing
 
 log = logging.getLogger("fairq.worker.child")
 
@@ -123,17 +128,6 @@ class _Backoff:
         self._next = self._minimum
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Tell whether a database error is one to wait out (connection lost, server down).
-
-    Anything else (a bug, a missing column) propagates and ends the child, so that it shows
-    up as a crash and a restart rather than as a quiet retry loop.
-    """
-    if isinstance(exc, OperationalError | InterfaceError | psycopg.OperationalError):
-        return True
-    return isinstance(exc, DBAPIError) and exc.connection_invalidated
-
-
 def _brief(exc: BaseException) -> str:
     """The first line of a driver error, without SQLAlchemy's statement dump."""
     inner = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
@@ -205,6 +199,7 @@ class Child:
         self._engine: Engine | None = None
         self._sessions: sessionmaker[Session] | None = None
         self._metrics: metrics.TaskMetrics | None = None
+        self._owed: processing.Owed | None = None
         self._listener = Listener(settings.database_url, settings.notify_channel)
         self._listen_backoff = _Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
         self._listen_retry_at = 0.0
@@ -249,14 +244,17 @@ class Child:
         try:
             # Imported here, after the fork: a module that fails to import is a boot error
             # of this child, reported to the supervisor, rather than a crash.
-            from worker import metrics, processing, tasktypes  # noqa: PLC0415, F401
+            from worker import metrics, processing, tasktypes  # noqa: PLC0415
 
             self._metrics = metrics.TaskMetrics(tasktypes.names())
+            self._owed = processing.Owed()
         except Exception as exc:
             log.exception("importing the processing code failed")
             return f"cannot import the processing code: {exc!r}"
         self._engine = db_engine.make_engine(
-            self.settings.database_url, application_name=APPLICATION_NAME
+            self.settings.database_url,
+            application_name=APPLICATION_NAME,
+            statement_timeout_ms=processing.WORKER_STATEMENT_TIMEOUT_MS,
         )
         self._sessions = db_engine.make_sessionmaker(self._engine)
         # A database that is restarting (a deploy, a failover) is waited out for
@@ -271,7 +269,7 @@ class Child:
                 break
             except DBAPIError as exc:
                 delay = backoff.next()
-                if not is_transient(exc) or time.monotonic() + delay > deadline:
+                if not db_engine.is_transient(exc) or time.monotonic() + delay > deadline:
                     return f"database unreachable or not migrated ({_brief(exc)})"
                 log.warning("database unreachable at boot (%s); retrying in %.1fs",
                             _brief(exc), delay)  # fmt: skip
@@ -320,7 +318,7 @@ class Child:
                 backoff.reset()
                 self._maybe_maintain()
             except (DBAPIError, psycopg.Error) as exc:
-                if not is_transient(exc):
+                if not db_engine.is_transient(exc):
                     raise
                 delay = backoff.next()
                 log.warning("database error: %s; retrying in %.1fs", _brief(exc), delay)
@@ -330,6 +328,23 @@ class Child:
                 self._wait(self.settings.poll_interval, listen=True)
             # Else at once: a batch that claimed anything suggests more is eligible. Not only
             # a full one: `per_company_cap` makes a short batch normal while work remains.
+        self._write_owed_before_exit()
+
+    def _write_owed_before_exit(self) -> None:
+        """One last attempt to write what interrupted passes still owe; log what remains."""
+        from worker import processing  # noqa: PLC0415  (imported by _boot already)
+
+        if not self._owed:
+            return
+        assert self._sessions is not None
+        try:
+            processing.write_owed(self._sessions, self._owed, observer=self._metrics)
+        except (DBAPIError, psycopg.Error) as exc:
+            log.warning(
+                "stopping with %d completions and %d releases unwritten (%s); those tasks "
+                "run again once their leases expire",
+                self._owed.completions, self._owed.releases, _brief(exc),
+            )  # fmt: skip
 
     def _process_once(self) -> int:
         """Run one processing pass; return how many tasks it claimed."""
@@ -342,6 +357,7 @@ class Child:
             settings=self.settings,
             stop=self.should_stop,
             observer=self._metrics,
+            owed=self._owed,
         )
         return result.claimed
 

@@ -9,6 +9,7 @@ the variable); 3 children could not boot.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,11 +20,17 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import DBAPIError
 
 from worker import logging as worker_logging
 from worker.settings import SettingsError, WorkerSettings
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
+
+    from worker import processing
 
 SETTINGS_ERROR_EXIT = 2
 
@@ -141,18 +148,42 @@ def run_once(settings: WorkerSettings) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda _signum, _frame: stop.set())
-    engine = db_engine.make_engine(settings.database_url, application_name="fairq-worker-once")
+    engine = db_engine.make_engine(
+        settings.database_url,
+        application_name="fairq-worker-once",
+        statement_timeout_ms=processing.WORKER_STATEMENT_TIMEOUT_MS,
+    )
+    sessions = db_engine.make_sessionmaker(engine)
+    owed = processing.Owed()
     try:
         result = processing.process_batch(
-            db_engine.make_sessionmaker(engine),
+            sessions,
             worker_id=f"{socket.gethostname()}:{os.getpid()}",
             settings=settings,
             stop=stop.is_set,
+            owed=owed,
         )
     except DBAPIError as exc:
         print(f"fairq worker: database error: {exc.orig or exc}", file=sys.stderr)
+        _write_owed(sessions, owed)
         return 1
     finally:
         engine.dispose()
     print(json.dumps(dataclasses.asdict(result)), flush=True)
     return 0
+
+
+def _write_owed(sessions: sessionmaker[Session], owed: processing.Owed) -> None:
+    """Try once more to write what the failed pass owes; say on stderr what stays unwritten."""
+    from worker import processing  # noqa: PLC0415
+
+    if not owed:
+        return
+    with contextlib.suppress(DBAPIError):
+        processing.write_owed(sessions, owed)
+    if owed:
+        print(
+            f"fairq worker: {owed.completions} completions and {owed.releases} releases not "
+            "written; those tasks run again once their leases expire (STALE_AFTER_SECONDS)",
+            file=sys.stderr,
+        )

@@ -13,6 +13,13 @@ reclaimed while its worker is alive, and writes completions in batches: one fenc
 returns. Every database call of the pass is serialized by one lock, so a session factory
 bound to a single connection (tests) is safe too.
 
+A pass that ends on a database error still owes the database the completions it could not
+write and the release of the tasks it never started. Dropped, those tasks would wait out
+their lease and run again. A caller that passes an `Owed` keeps them instead: the next pass
+given the same object writes them (fenced, so writing twice is harmless) before it claims
+anything; `write_owed` tries on its own. Their log lines and observer counts come when they
+are written, once.
+
 Metrics stay out of this module: the caller passes a `PassObserver` (the worker's
 Prometheus counters implement it); the default observes nothing.
 
@@ -27,6 +34,7 @@ tasks) instead of one per task.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -40,6 +48,7 @@ from typing import Protocol, TypeVar
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
+from db import engine as db_engine
 from db import queue
 from db.engine import make_sessionmaker
 from worker import backoff, tasktypes
@@ -56,6 +65,13 @@ T = TypeVar("T")
 COMPLETION_FLUSH_SECONDS = 0.1
 # How often the lease keeper wakes to look for due heartbeats and completions.
 KEEPER_TICK_SECONDS = 0.05
+# While the database is down the keeper retries every tick: one warning per this many seconds.
+KEEPER_WARN_SECONDS = 5.0
+# statement_timeout of a worker process's engine (children, `--once`; `db.engine.make_engine`),
+# lock waits included: far above a normal claim's wait for the claimers' advisory lock, far
+# below the minutes a call can hang on a dead network. The API's pass runs on the API's
+# engine, without one.
+WORKER_STATEMENT_TIMEOUT_MS = 30_000
 
 
 class PassSettings(Protocol):
@@ -173,6 +189,48 @@ SessionSource = Callable[[], Session] | Engine
 StopFlag = threading.Event | Callable[[], bool] | None
 
 
+@dataclass(frozen=True)
+class _Done:
+    task: queue.ClaimedTask
+    seconds: float
+    at: float  # time.monotonic() when the handler returned
+
+
+class Owed:
+    """What passes that ended on a database error still owe the database.
+
+    Completions not yet written (with their handler durations) and unstarted tasks not yet
+    released. Not thread-safe: one caller (a worker child's loop) hands the same object to
+    each of its passes in turn.
+    """
+
+    def __init__(self) -> None:
+        self._completions: list[_Done] = []
+        self._releases: list[queue.ClaimedTask] = []
+
+    @property
+    def completions(self) -> int:
+        """Tasks that ran to success whose completion is not written yet."""
+        return len(self._completions)
+
+    @property
+    def releases(self) -> int:
+        """Claimed tasks that never started and are not handed back yet."""
+        return len(self._releases)
+
+    def __bool__(self) -> bool:
+        return bool(self._completions or self._releases)
+
+    def _take(self) -> tuple[list[_Done], list[queue.ClaimedTask]]:
+        taken = self._completions, self._releases
+        self._completions, self._releases = [], []
+        return taken
+
+    def _add(self, completions: Sequence[_Done], releases: Sequence[queue.ClaimedTask]) -> None:
+        self._completions.extend(completions)
+        self._releases.extend(releases)
+
+
 def process_batch(
     sessions: SessionSource,
     *,
@@ -181,6 +239,7 @@ def process_batch(
     stop: StopFlag = None,
     observer: PassObserver | None = None,
     rng: random.Random | None = None,
+    owed: Owed | None = None,
 ) -> PassResult:
     """Run one pass: sweep, claim up to `settings.batch_size` tasks, run and finalize each.
 
@@ -191,7 +250,13 @@ def process_batch(
     a last attempt fails the task, anything else retries it after `worker.backoff.delay`.
     A `BaseException` (KeyboardInterrupt, SystemExit) propagates after the pass writes its
     completions and releases the unstarted rest; the interrupted task is left to lease
-    expiry. Database errors propagate.
+    expiry.
+
+    Database errors propagate, after one more attempt to write the completions and releases
+    the pass owes. What that attempt could not write goes into `owed`, if given (else it is
+    left to lease expiry, and logged); a pass given a non-empty `owed` writes it first and
+    raises, claiming nothing, while the database still fails. The result counts what the
+    pass wrote, owed work included.
     """
     factory = make_sessionmaker(sessions) if isinstance(sessions, Engine) else sessions
     with worker_logging.batched():
@@ -202,7 +267,34 @@ def process_batch(
             stop=_stop_predicate(stop),
             observer=observer or NoopObserver(),
             rng=rng,
+            owed=owed,
         ).run()
+
+
+def write_owed(
+    sessions: SessionSource, owed: Owed, *, observer: PassObserver | None = None
+) -> PassResult:
+    """Write what `owed` holds (completions, releases), claiming nothing; return the counts.
+
+    For a caller's last attempt (a stopping child, `--once`). A database error propagates;
+    what is still unwritten stays in `owed`.
+    """
+    if not owed:
+        return PassResult()
+    factory = make_sessionmaker(sessions) if isinstance(sessions, Engine) else sessions
+    with worker_logging.batched():
+        state = _Pass(
+            factory,
+            worker_id="",
+            settings=PassDefaults(),
+            stop=lambda: True,
+            observer=observer or NoopObserver(),
+            rng=None,
+            owed=owed,
+        )
+        with factory() as session:
+            state.write_owed(session)
+        return state.tally.result()
 
 
 def _stop_predicate(stop: StopFlag) -> Callable[[], bool]:
@@ -226,13 +318,6 @@ class _Tally:
         return PassResult(
             self.claimed, self.completed, self.retried, self.failed, self.released, self.lease_lost
         )
-
-
-@dataclass(frozen=True)
-class _Done:
-    task: queue.ClaimedTask
-    seconds: float
-    at: float  # time.monotonic() when the handler returned
 
 
 def _describe_error(exc: BaseException) -> str:
@@ -307,6 +392,7 @@ class _Pass:
         stop: Callable[[], bool],
         observer: PassObserver,
         rng: random.Random | None,
+        owed: Owed | None = None,
     ) -> None:
         heartbeat_interval = settings.effective_heartbeat_interval
         if not 0 < heartbeat_interval < settings.stale_after:
@@ -320,6 +406,7 @@ class _Pass:
         self.stop = stop
         self.observer = observer
         self.rng = rng
+        self.owed = owed
         self.heartbeat_interval = heartbeat_interval
         self.tally = _Tally()
         # _db serializes database use between the two threads; _state guards what follows.
@@ -328,12 +415,17 @@ class _Pass:
         self._held: dict[uuid.UUID, queue.Lease] = {}
         self._lost: set[uuid.UUID] = set()
         self._done: list[_Done] = []
+        # Held tasks whose handler has not started: released if the pass ends early. Only
+        # the main thread uses it.
+        self._unstarted: dict[uuid.UUID, queue.ClaimedTask] = {}
         self._confirmed_at = 0.0  # time.monotonic() when every held lease was last confirmed
 
     # -- the main thread ------------------------------------------------------------------
 
     def run(self) -> PassResult:
         with self.factory() as session:
+            # Before the claim: a task whose completion is owed is never claimed again here.
+            self.write_owed(session)
             self._sweep(session)
             if self.stop():
                 return self.tally.result()
@@ -344,10 +436,71 @@ class _Pass:
             keeper.start()
             try:
                 self._run_batch(session, batch)
-            finally:
+            except BaseException:
                 keeper.close()
-            self.flush_completions(session, force=True)
+                # The error in flight matters more than a second one from the database.
+                with contextlib.suppress(Exception):
+                    self._hand_back(session)
+                raise
+            keeper.close()
+            self._hand_back(session)
         return self.tally.result()
+
+    def write_owed(self, session: Session) -> None:
+        """Write what earlier passes owe (`self.owed`); raise, keeping it owed, on failure."""
+        if not self.owed:
+            return
+        completions, releases = self.owed._take()
+        with self._state:
+            self._held.update((d.task.id, d.task.lease) for d in completions)
+            self._held.update((t.id, t.lease) for t in releases)
+            self._done.extend(completions)
+        self._unstarted.update((t.id, t) for t in releases)
+        log.info(
+            "writing %d completions and %d releases owed since a database error",
+            len(completions), len(releases),
+            extra={"event": "tasks.owed", "completions": len(completions),
+                   "releases": len(releases)},
+        )  # fmt: skip
+        self._hand_back(session)
+
+    def _hand_back(self, session: Session) -> None:
+        """Write every pending completion and release every unstarted task.
+
+        On a database error what is still unwritten goes to `self.owed` (or, without one,
+        is left to lease expiry) and the error propagates.
+        """
+        try:
+            self.flush_completions(session, force=True)
+            self._release(session, list(self._unstarted.values()))
+        except BaseException as exc:
+            with self._state:
+                done, self._done = self._done, []
+                unstarted = [t for t in self._unstarted.values() if t.id in self._held]
+            self._unstarted.clear()
+            if done or unstarted:
+                self._keep_owed(done, unstarted, exc)
+            raise
+
+    def _keep_owed(
+        self, done: list[_Done], unstarted: list[queue.ClaimedTask], exc: BaseException
+    ) -> None:
+        if self.owed is not None:
+            self.owed._add(done, unstarted)
+            log.warning(
+                "database error (%s): %d completions and %d releases kept for the next pass",
+                type(exc).__name__, len(done), len(unstarted),
+                extra={"event": "tasks.owed_kept", "completions": len(done),
+                       "releases": len(unstarted)},
+            )  # fmt: skip
+            return
+        log.warning(
+            "database error (%s): %d completions and %d releases not written; those tasks run "
+            "again once their leases expire",
+            type(exc).__name__, len(done), len(unstarted),
+            extra={"event": "tasks.owed_dropped", "completions": len(done),
+                   "releases": len(unstarted)},
+        )  # fmt: skip
 
     def _sweep(self, session: Session) -> None:
         lost = self._write(
@@ -362,7 +515,8 @@ class _Pass:
             self.observer.failed(task.type)
 
     def _claim(self, session: Session) -> list[queue.ClaimedTask]:
-        # Taken before the statement: the leases' locked_at (its now()) is no earlier.
+        # Taken before the statement: the leases' locked_at (its statement_timestamp()) is no
+        # earlier.
         leased_at = time.monotonic()
         started = time.perf_counter()
         # The commit right after the claim releases its advisory lock: next claimer, go.
@@ -392,27 +546,21 @@ class _Pass:
         return batch
 
     def _run_batch(self, session: Session, batch: Sequence[queue.ClaimedTask]) -> None:
-        index = 0
-        try:
-            for index, task in enumerate(batch):
-                if self.stop():
-                    self.flush_completions(session, force=True)
-                    self._release(session, batch[index:])
-                    return
-                self._confirm_leases(session)
-                if self._is_lost(task):
-                    continue
-                self._run_one(session, task)
-        except BaseException:
-            # KeyboardInterrupt or SystemExit in a handler, or a database error: write what
-            # succeeded and hand back what never started if the database lets us, then let
-            # it propagate. The task in hand stays processing; lease expiry recovers it.
-            try:
-                self.flush_completions(session, force=True)
-                self._release(session, batch[index + 1 :])
-            except Exception:
-                log.exception("could not hand back the rest of the batch")
-            raise
+        """Run the batch's tasks in order until done or stopped.
+
+        Whatever ends it (the stop flag; KeyboardInterrupt or SystemExit in a handler; a
+        database error, also one before a task's handler started), `run` then writes the
+        completions and releases exactly the tasks whose handler never started. A task
+        whose handler started and did not finish stays processing: lease expiry recovers it.
+        """
+        self._unstarted = {task.id: task for task in batch}
+        for task in batch:
+            if self.stop():
+                return
+            self._confirm_leases(session)
+            if self._is_lost(task):
+                continue
+            self._run_one(session, task)
 
     def _confirm_leases(self, session: Session) -> None:
         # The keeper refreshes leases in the background; if it has fallen behind (database
@@ -427,6 +575,7 @@ class _Pass:
                 return False
             self._lost.discard(task.id)
             self._held.pop(task.id, None)
+        self._unstarted.pop(task.id, None)
         self._report_lease_lost(task, "start")
         return True
 
@@ -434,7 +583,9 @@ class _Pass:
         task_type = tasktypes.get(task.type)
         if task_type is None:
             error = f"unknown task type {task.type!r} (registered: {', '.join(tasktypes.names())})"
+            # Still unstarted while the write may fail: then it is released, not stranded.
             self._fail(session, task, error, error_type="UnknownTaskType", seconds=None)
+            self._unstarted.pop(task.id, None)
             return
         context = TaskContext(
             task_id=task.id,
@@ -445,6 +596,8 @@ class _Pass:
             max_attempts=task.max_attempts,
             config=self.settings.handler_config,
         )
+        # From here on the task may have side effects: never released, whatever happens.
+        self._unstarted.pop(task.id, None)
         started = time.perf_counter()
         try:
             task_type.handler(context)
@@ -524,8 +677,15 @@ class _Pass:
 
     def _release(self, session: Session, tasks: Sequence[queue.ClaimedTask]) -> None:
         with self._state:
-            # A lease the keeper already saw taken over is not ours to release.
-            mine = [t for t in tasks if t.id in self._held and t.id not in self._lost]
+            # A lease the keeper already saw taken over is not ours to release: count it.
+            lost = [t for t in tasks if t.id in self._held and t.id in self._lost]
+            for task in lost:
+                self._lost.discard(task.id)
+                self._held.pop(task.id, None)
+            mine = [t for t in tasks if t.id in self._held]
+        for task in lost:
+            self._unstarted.pop(task.id, None)
+            self._report_lease_lost(task, "release")
         if not mine:
             return
         released = self._write(
@@ -533,6 +693,7 @@ class _Pass:
         )
         for task in tasks:
             self._forget(task)
+            self._unstarted.pop(task.id, None)
         self.tally.released += len(released)
         self.observer.released(len(released))
         for task in mine:
@@ -633,6 +794,8 @@ class _LeaseKeeper(threading.Thread):
         super().__init__(name="fairq-lease-keeper", daemon=True)
         self.owner = owner
         self._closed = threading.Event()
+        self._quiet_until = 0.0  # time.monotonic() before which transient errors are counted
+        self._suppressed = 0
 
     def run(self) -> None:
         owner = self.owner
@@ -646,10 +809,32 @@ class _LeaseKeeper(threading.Thread):
                     owner.flush_completions(session, force=False)
                     # Lines of a batch of slow tasks must not wait for the end of the pass.
                     worker_logging.write_due()
-                except Exception:
+                except Exception as exc:
                     # A failed beat or flush is retried next tick; the main thread's final
                     # flush reports what still fails.
-                    log.exception("lease keeper: database call failed")
+                    self._log_failure(exc)
+
+    def _log_failure(self, exc: Exception) -> None:
+        """Log a failed database call: a bug with its traceback, an outage rate-limited.
+
+        While the database is down every tick fails the same way; one line per
+        `KEEPER_WARN_SECONDS`, counting the failures it stands for, says as much.
+        """
+        if not db_engine.is_transient(exc):
+            log.exception("lease keeper: database call failed")
+            return
+        now = time.monotonic()
+        if now < self._quiet_until:
+            self._suppressed += 1
+            return
+        log.warning(
+            "lease keeper: database unavailable (%s); retrying every %.2fs (%d failures "
+            "not logged since the last warning)",
+            type(exc).__name__, KEEPER_TICK_SECONDS, self._suppressed,
+            extra={"event": "keeper.db_error", "suppressed": self._suppressed},
+        )  # fmt: skip
+        self._quiet_until = now + KEEPER_WARN_SECONDS
+        self._suppressed = 0
 
     def close(self) -> None:
         """Stop and wait for the thread (at most one database call in flight)."""
