@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from db import queue  # noqa: E402  (needs the repository on sys.path)
-from scripts import perf_seed  # noqa: E402
+from scripts import perf_seed, stack  # noqa: E402
 
 BATCH = 100
 CAP = 10
@@ -393,9 +393,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--shapes", action="store_true", help="also time the window and distinct shapes (slow)"
     )
-    parser.add_argument(
-        "--database-url",
-        help="postgresql+psycopg:// URL (created if missing; its tasks are replaced); "
+    stack.add_database_url_argument(
+        parser,
+        "postgresql+psycopg:// URL (created if missing; its tasks are replaced); "
         "default DATABASE_URL, else an embedded server with data in .pgdata/bench",
     )
     args = parser.parse_args(argv)

@@ -18,15 +18,11 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import requests
@@ -35,53 +31,10 @@ from sqlalchemy import Engine, text
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from db.embedded import free_port  # noqa: E402  (needs the repository on sys.path)
-from scripts import bench_throughput as common  # noqa: E402
+from scripts import bench_throughput as common  # noqa: E402  (needs the repository on sys.path)
+from scripts import stack  # noqa: E402
 
 PERCENTILES = (0.5, 0.95, 0.99)
-
-
-@contextmanager
-def api_server(url: str, workdir: Path, token: str) -> Iterator[str]:
-    """Run gunicorn with the project's config on a free port; yield its base URL."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    env = {
-        **os.environ,
-        "DATABASE_URL": url,
-        "ADMIN_TOKEN": token,
-        "GUNICORN_BIND": f"127.0.0.1:{port}",
-        "PROMETHEUS_MULTIPROC_DIR": str(workdir / "prometheus"),
-        "PYTHONPATH": str(ROOT),
-    }
-    with (workdir / "stdout.log").open("wb") as out, (workdir / "stderr.log").open("wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "-c", "deploy/gunicorn.conf.py", "wsgi:app"],
-            cwd=ROOT, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                log = (workdir / "stderr.log").read_text(errors="replace")
-                raise RuntimeError(f"gunicorn exited:\n{log[-3000:]}")
-            try:
-                if requests.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the API did not become ready in 60 s")
-            time.sleep(0.1)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(40)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def create_company(base: str, token: str) -> tuple[str, str]:
@@ -167,11 +120,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--interval", type=float, default=0.02)
     parser.add_argument("--log-level", default="WARNING", help="LOG_LEVEL of the worker")
-    parser.add_argument(
-        "--fast-commit", action="store_true",
-        help="embedded server only: synchronous_commit=off (commits skip the WAL flush wait)",
-    )  # fmt: skip
-    parser.add_argument("--database-url", default=None)
+    common.add_database_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -183,11 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     with (
         common.bench_database(args.database_url, "latency", fast_commit=args.fast_commit) as url,
         tempfile.TemporaryDirectory(prefix="fairq-bench-") as tmp,
-        api_server(url, Path(tmp) / "api", token) as base,
+        stack.api_server(url, Path(tmp) / "api", admin_token=token) as api,
     ):
+        base = api.base_url
         engine = common.engine_for(url)
         common.reset(engine)
-        sup = common.start_supervisor(url, Path(tmp) / "worker", LOG_LEVEL=args.log_level)
+        sup = stack.start_supervisor(url, Path(tmp) / "worker", {"LOG_LEVEL": args.log_level})
         try:
             sup.port()
             company_id, api_key = create_company(base, token)
@@ -211,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
         finally:
-            status = sup.stop()
+            status = sup.stop(60.0)
             engine.dispose()
         if status != 0:
             raise RuntimeError(f"supervisor exited with {status}:\n{sup.log()[-3000:]}")

@@ -23,59 +23,44 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import resource
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import Engine, pool, text
+from sqlalchemy import Engine, text
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from db.embedded import EmbeddedPostgres, free_port  # noqa: E402  (needs the repo on sys.path)
-from db.engine import make_engine  # noqa: E402
-from scripts import perf_seed  # noqa: E402
+from scripts import stack  # noqa: E402  (needs the repository on sys.path)
 
 
 @contextmanager
 def bench_database(url: str | None, name: str, *, fast_commit: bool) -> Iterator[str]:
     """Yield a migrated database URL: `url`, else an embedded server in `.pgdata/bench-<name>`."""
-    embedded: EmbeddedPostgres | None = None
-    if url is None:
-        options = {"max_connections": "200"}
-        if fast_commit:
-            options["synchronous_commit"] = "off"
-        embedded = EmbeddedPostgres(
-            ROOT / ".pgdata" / f"bench-{name}", free_port(), options=options
-        )
-        embedded.stop()  # a server left running by an interrupted run listens on another port
-        embedded.start()
-        url = embedded.url(f"fairq_bench_{name}")
-    elif url.startswith("postgresql://"):
-        url = "postgresql+psycopg://" + url[len("postgresql://") :]
-    try:
-        perf_seed.ensure_database(url)
-        perf_seed.migrate(url)
-        yield url
-    finally:
-        if embedded is not None:
-            embedded.stop()
+    options = {"synchronous_commit": "off"} if fast_commit else None
+    with stack.database(url, f"bench-{name}", options=options) as db:
+        yield db
 
 
 def engine_for(url: str) -> Engine:
     """An engine whose connections never outlive their use (the server may be stopped)."""
-    return make_engine(url, application_name="fairq-bench", poolclass=pool.NullPool)
+    return stack.script_engine(url, application_name="fairq-bench")
+
+
+def add_database_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--fast-commit` and `--database-url`, shared by the benchmarks."""
+    parser.add_argument(
+        "--fast-commit", action="store_true",
+        help="embedded server only: synchronous_commit=off (commits skip the WAL flush wait)",
+    )  # fmt: skip
+    stack.add_database_url_argument(parser)
 
 
 def reset(engine: Engine) -> None:
@@ -118,68 +103,6 @@ def seed_tasks(engine: Engine, companies: list[str], count: int) -> None:
         conn.execute(text("ANALYZE tasks"))
 
 
-@dataclass
-class Supervisor:
-    """A `python -m worker` subprocess with its output in `workdir`."""
-
-    proc: subprocess.Popen[bytes]
-    workdir: Path
-
-    def port(self, timeout: float = 30.0) -> int:
-        """The metrics port, once written."""
-        path = self.workdir / "metrics.port"
-        deadline = time.monotonic() + timeout
-        while not path.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"supervisor did not start:\n{self.log()[-3000:]}")
-            time.sleep(0.05)
-        return int(path.read_text())
-
-    def metrics(self) -> dict[str, float]:
-        """One scrape of the supervisor's /metrics, as {'name{labels}': value}."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port()}/metrics", timeout=5) as r:
-            body = r.read().decode()
-        samples = {}
-        for line in body.splitlines():
-            match = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)$", line)
-            if match:
-                samples[match.group(1)] = float(match.group(2))
-        return samples
-
-    def log(self) -> str:
-        """What the process tree wrote to stderr."""
-        return (self.workdir / "stderr.log").read_text(errors="replace")
-
-    def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM and wait; SIGKILL if it does not stop in time."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-
-def start_supervisor(url: str, workdir: Path, **env: str) -> Supervisor:
-    """Start `python -m worker` on `url`, metrics on a free port, output into `workdir`."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    environment = {
-        **os.environ,
-        "DATABASE_URL": url,
-        "PYTHONPATH": str(ROOT),
-        "WORKER_METRICS_PORT": "0",
-        "PROMETHEUS_MULTIPROC_DIR": str(workdir / "prometheus"),
-        **env,
-    }
-    with (workdir / "stdout.log").open("wb") as out, (workdir / "stderr.log").open("wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "--metrics-port-file", str(workdir / "metrics.port")],
-            cwd=ROOT, env=environment, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-    return Supervisor(proc, workdir)
-
-
 def completed(engine: Engine) -> int:
     """How many tasks are completed."""
     with engine.connect() as conn:
@@ -216,13 +139,15 @@ def run_once(engine: Engine, url: str, args: argparse.Namespace, workdir: Path) 
     # The supervisor reaps its children, and this process reaps the supervisor: its rusage
     # then counts the whole tree.
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    sup = start_supervisor(
+    sup = stack.start_supervisor(
         url,
         workdir,
-        WORKER_CONCURRENCY=str(args.concurrency),
-        WORKER_BATCH_SIZE=str(args.batch_size),
-        LOG_LEVEL=args.log_level,
-        LOG_FORMAT=args.log_format,
+        {
+            "WORKER_CONCURRENCY": str(args.concurrency),
+            "WORKER_BATCH_SIZE": str(args.batch_size),
+            "LOG_LEVEL": args.log_level,
+            "LOG_FORMAT": args.log_format,
+        },
     )
     try:
         deadline = time.monotonic() + args.timeout
@@ -234,7 +159,7 @@ def run_once(engine: Engine, url: str, args: argparse.Namespace, workdir: Path) 
             time.sleep(0.25)
         metrics = sup.metrics()
     finally:
-        status = sup.stop()
+        status = sup.stop(60.0)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     if status != 0:
@@ -266,11 +191,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--log-format", default="text", choices=("text", "json"))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run at most")
-    parser.add_argument(
-        "--fast-commit", action="store_true",
-        help="embedded server only: synchronous_commit=off (commits skip the WAL flush wait)",
-    )  # fmt: skip
-    parser.add_argument("--database-url", default=None)
+    add_database_arguments(parser)
     return parser.parse_args(argv)
 
 

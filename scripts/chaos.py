@@ -696,9 +696,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="stop killing after this long even if work remains")  # fmt: skip
     parser.add_argument("--drain-timeout", type=float, default=d.drain_timeout)
     parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--database-url", default=None,
-                        help="PostgreSQL to use (its tasks and companies are deleted); "
-                             "default: embedded in .pgdata/chaos")  # fmt: skip
+    stack.add_database_url_argument(
+        parser,
+        "PostgreSQL to use (its tasks and companies are deleted); default: embedded in "
+        ".pgdata/chaos",
+    )
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where process logs go (default: a temporary directory, "
                              "kept only when the run fails)")  # fmt: skip

@@ -392,9 +392,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--companies", type=int, default=20)
     parser.add_argument("--children", type=int, default=2, help="worker children in phase 2")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--database-url", default=None,
-                        help="PostgreSQL to use (its tasks and companies are deleted); "
-                             "default: embedded in .pgdata/load")  # fmt: skip
+    stack.add_database_url_argument(
+        parser,
+        "PostgreSQL to use (its tasks and companies are deleted); default: embedded in "
+        ".pgdata/load",
+    )
     return parser.parse_args(argv)
 
 

@@ -34,22 +34,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import psycopg
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import Connection, Engine, pool, text
-from sqlalchemy.engine import make_url
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from db.embedded import EmbeddedPostgres, free_port  # noqa: E402  (needs ROOT on sys.path)
-from db.engine import make_engine  # noqa: E402
+from db.engine import make_engine  # noqa: E402  (needs ROOT on sys.path)
+from scripts import stack  # noqa: E402
 
 COMPANIES = 50
 HEAVY_COMPANIES = 10  # 20% of the companies ...
 HEAVY_SHARE = 0.8  # ... own 80% of the rows
-DEFAULT_DATABASE = "fairq_bench"
 STALE_AFTER_SECONDS = 300.0  # what the benchmark's claim uses; stale rows are far older
 
 # Built with generate_series in one INSERT ... SELECT: about 1M rows in well under a minute.
@@ -255,46 +250,15 @@ def stats(engine: Engine, seconds: float = 0.0) -> SeedStats:
     )
 
 
-def ensure_database(url: str) -> None:
-    """Create the database named in `url` if the server does not have it yet."""
-    parsed = make_url(url)
-    admin = parsed.set(drivername="postgresql", database="postgres")
-    with psycopg.connect(admin.render_as_string(hide_password=False), autocommit=True) as conn:
-        exists = conn.execute(
-            "SELECT 1 FROM pg_database WHERE datname = %s", (parsed.database,)
-        ).fetchone()
-        if not exists:
-            conn.execute(f'CREATE DATABASE "{parsed.database}"')
-
-
-def migrate(url: str) -> None:
-    """Bring the schema to `alembic upgrade head`, as in production."""
-    cfg = Config(toml_file=str(ROOT / "pyproject.toml"))
-    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    command.upgrade(cfg, "head")
-
-
 @contextmanager
 def database(url: str | None) -> Iterator[str]:
     """Yield a migrated database URL: `url`, `DATABASE_URL`, or the embedded server.
 
-    The embedded server keeps its data in `.pgdata/bench` and is stopped on exit.
+    The embedded server keeps its data in `.pgdata/bench` and is stopped on exit. The rows
+    are kept (`bench_claim --reuse` measures an earlier seed).
     """
-    url = url or os.environ.get("DATABASE_URL") or None
-    embedded: EmbeddedPostgres | None = None
-    if url is None:
-        embedded = EmbeddedPostgres(ROOT / ".pgdata" / "bench", free_port())
-        embedded.start()
-        url = embedded.url(DEFAULT_DATABASE)
-    try:
-        if url.startswith("postgresql://"):
-            url = "postgresql+psycopg://" + url[len("postgresql://") :]
-        ensure_database(url)
-        migrate(url)
-        yield url
-    finally:
-        if embedded is not None:
-            embedded.stop()
+    with stack.database(url or os.environ.get("DATABASE_URL") or None, "bench", empty=False) as db:
+        yield db
 
 
 def bench_engine(url: str) -> Engine:
@@ -314,9 +278,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="N",
         help="add N pending rows runnable only tomorrow for one light company (default 0)",
     )
-    parser.add_argument(
-        "--database-url",
-        help="postgresql+psycopg:// URL (created if missing); default DATABASE_URL, else an "
+    stack.add_database_url_argument(
+        parser,
+        "postgresql+psycopg:// URL (created if missing); default DATABASE_URL, else an "
         "embedded server with data in .pgdata/bench",
     )
     return parser.parse_args(argv)

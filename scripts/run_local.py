@@ -20,13 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-import psycopg
-from sqlalchemy.engine import make_url
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from db.embedded import EmbeddedPostgres  # noqa: E402  (needs the repository on sys.path)
+from scripts.stack import ensure_database  # noqa: E402
 
 EMBEDDED_PORT = 54329
 RUN_DIR = ROOT / ".run"
@@ -44,18 +42,6 @@ def admin_token() -> str:
     path.write_text(token + "\n")
     path.chmod(0o600)
     return token
-
-
-def ensure_database(url: str) -> None:
-    """Create the database named in `url` when the server does not have it yet."""
-    parsed = make_url(url)
-    admin = parsed.set(drivername="postgresql", database="postgres")
-    with psycopg.connect(admin.render_as_string(hide_password=False), autocommit=True) as conn:
-        exists = conn.execute(
-            "SELECT 1 FROM pg_database WHERE datname = %s", (parsed.database,)
-        ).fetchone()
-        if not exists:
-            conn.execute(f'CREATE DATABASE "{parsed.database}"')
 
 
 def wait_until_serving(

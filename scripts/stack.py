@@ -10,6 +10,7 @@ directory (a PIPE nobody reads fills up and blocks the process).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -268,16 +269,12 @@ def supervisor(
     Metrics on a free port of 127.0.0.1; `SHUTDOWN_TIMEOUT_SECONDS` 5 unless `env` says
     otherwise. Yields once the metrics port is open and every child exists.
     """
-    environment = _base_env(database_url, workdir, None)
-    environment.update(
-        WORKER_CONCURRENCY=str(concurrency),
-        WORKER_METRICS_PORT="0",
-        SHUTDOWN_TIMEOUT_SECONDS="5",
-    )
-    environment.update(env or {})
-    argv = [sys.executable, "-m", "worker", "--metrics-port-file", str(workdir / "metrics.port")]
-    spawned = _spawn("worker", argv, workdir, environment)
-    sup = WorkerSupervisor(spawned.name, spawned.proc, workdir)
+    environment = {
+        "WORKER_CONCURRENCY": str(concurrency),
+        "SHUTDOWN_TIMEOUT_SECONDS": "5",
+        **(env or {}),
+    }
+    sup = start_supervisor(database_url, workdir, environment)
     try:
         sup.port()
         sup.wait_children(concurrency)
@@ -285,6 +282,21 @@ def supervisor(
     finally:
         # Past the supervisor's own shutdown timeout, so a graceful stop is not cut short.
         sup.stop(float(environment["SHUTDOWN_TIMEOUT_SECONDS"]) + 5)
+
+
+def start_supervisor(
+    database_url: str, workdir: Path, env: Mapping[str, str] | None = None
+) -> WorkerSupervisor:
+    """Start `python -m worker` (metrics on a free port) without waiting; the caller stops it.
+
+    `env` adds or overrides variables (WORKER_CONCURRENCY, LOG_LEVEL, ...).
+    """
+    environment = _base_env(database_url, workdir, None)
+    environment["WORKER_METRICS_PORT"] = "0"
+    environment.update(env or {})
+    argv = [sys.executable, "-m", "worker", "--metrics-port-file", str(workdir / "metrics.port")]
+    spawned = _spawn("worker", argv, workdir, environment)
+    return WorkerSupervisor(spawned.name, spawned.proc, workdir)
 
 
 # -- API data ----------------------------------------------------------------------------
@@ -319,8 +331,15 @@ def create_companies(
 # -- PostgreSQL ----------------------------------------------------------------------------
 
 
-def migrate(url: str) -> None:
-    """Create the database in `url` if missing, then `alembic upgrade head` it."""
+def add_database_url_argument(
+    parser: argparse.ArgumentParser, help_text: str | None = None
+) -> None:
+    """`--database-url` (default None: the script starts an embedded server)."""
+    parser.add_argument("--database-url", default=None, help=help_text)
+
+
+def ensure_database(url: str) -> None:
+    """Create the database named in `url` when the server does not have it yet."""
     parsed = make_url(url)
     admin = parsed.set(drivername="postgresql", database="postgres")
     with psycopg.connect(admin.render_as_string(hide_password=False), autocommit=True) as conn:
@@ -328,6 +347,11 @@ def migrate(url: str) -> None:
             "SELECT 1 FROM pg_database WHERE datname = %s", (parsed.database,)
         ).fetchone():
             conn.execute(f'CREATE DATABASE "{parsed.database}"')
+
+
+def migrate(url: str) -> None:
+    """Create the database in `url` if missing, then `alembic upgrade head` it."""
+    ensure_database(url)
     cfg = Config(toml_file=str(ROOT / "pyproject.toml"))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     command.upgrade(cfg, "head")
@@ -343,20 +367,24 @@ def empty_tables(url: str) -> None:
         engine.dispose()
 
 
-def script_engine(url: str) -> Engine:
+def script_engine(url: str, application_name: str = "fairq-script") -> Engine:
     """An engine whose connections never outlive their use (the server may be stopped)."""
-    return make_engine(url, application_name="fairq-script", poolclass=pool.NullPool)
+    return make_engine(url, application_name=application_name, poolclass=pool.NullPool)
 
 
 @contextmanager
 def database(
-    url: str | None, name: str, *, options: Mapping[str, str] | None = None
+    url: str | None,
+    name: str,
+    *,
+    options: Mapping[str, str] | None = None,
+    empty: bool = True,
 ) -> Iterator[str]:
     """Yield a migrated, emptied database: `url`, else an embedded one in `.pgdata/<name>`.
 
     The embedded server listens on a free port of 127.0.0.1, with `options` as server
-    settings, and is stopped at the end; its data stays for the next run. With `url`, that
-    database's tasks and companies are deleted first.
+    settings, and is stopped at the end; its data stays for the next run. The database's
+    tasks and companies are deleted first unless `empty` is False.
     """
     embedded: EmbeddedPostgres | None = None
     if url is None:
@@ -372,7 +400,8 @@ def database(
         url = "postgresql+psycopg://" + url.split("://", 1)[1]
     try:
         migrate(url)
-        empty_tables(url)
+        if empty:
+            empty_tables(url)
         yield url
     finally:
         if embedded is not None:

@@ -8,7 +8,6 @@ children are found in /proc. `supervisors` stops everything it started.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,6 +22,8 @@ import pytest
 import requests
 from sqlalchemy import Engine, text
 
+from scripts.stack import children_of, parse_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Scaled-down windows so the process tests take seconds, not minutes.
@@ -33,8 +34,6 @@ FAST_ENV = {
     "WORKER_METRICS_PORT": "0",
     "LOG_LEVEL": "INFO",
 }
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
 def wait_for(
@@ -63,32 +62,6 @@ def process_state(pid: int) -> str | None:
 def is_alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
     return process_state(pid) not in (None, "Z", "X")
-
-
-def children_of(pid: int) -> list[int]:
-    """Live (non-zombie) child pids of `pid`, read from /proc (no psutil)."""
-    found: list[int] = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-            found.append(int(entry.name))
-    return sorted(found)
-
-
-def parse_metrics(body: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value} (labels exactly as exposed)."""
-    samples: dict[str, float] = {}
-    for line in body.splitlines():
-        match = _SAMPLE.match(line)
-        if match and not line.startswith("#"):
-            samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
-    return samples
 
 
 @dataclass

@@ -16,11 +16,9 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +32,8 @@ from aiosmtpd.controller import Controller
 from flask import Flask
 from sqlalchemy import Engine, text
 
+from db.embedded import free_port
+from tests.supervisor_harness import wait_for
 from tests.test_deploy_files import E2E_COMMANDS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -72,26 +72,6 @@ def unresolve(argv: list[str]) -> list[str]:
 def extra_args(name: str, workdir: Path) -> list[str]:
     """What the test appends to service `name`'s command."""
     return EXTRA_ARGS[name](workdir) if name in EXTRA_ARGS else []
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll `condition` until it returns something truthy; return it, or fail."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def samples(body: str) -> list[tuple[str, dict[str, str], float]]:
