@@ -112,7 +112,12 @@ def main() -> int:
 
     # One metrics directory per process tree: the API's and the worker's must differ.
     api_env = {**env, "PROMETHEUS_MULTIPROC_DIR": str(RUN_DIR / "prometheus-api")}
-    worker_env = {**env, "PROMETHEUS_MULTIPROC_DIR": str(RUN_DIR / "prometheus-worker")}
+    worker_env = {
+        **env,
+        "PROMETHEUS_MULTIPROC_DIR": str(RUN_DIR / "prometheus-worker"),
+        # Local development: like the API, reachable from this machine only.
+        "WORKER_METRICS_HOST": os.environ.get("WORKER_METRICS_HOST", "127.0.0.1"),
+    }
     procs: list[subprocess.Popen[bytes]] = [
         subprocess.Popen(
             [py, "-m", "gunicorn", "-c", "deploy/gunicorn.conf.py", "wsgi:app"],

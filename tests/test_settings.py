@@ -170,3 +170,11 @@ def test_boolean_variables_accept_the_usual_spellings(value: str, expected: bool
     settings = WorkerSettings.from_env({"DATABASE_URL": URL, "WEBHOOK_ALLOW_PRIVATE": value})
 
     assert settings.handler_config.webhook_allow_private is expected
+
+
+def test_worker_metrics_host_defaults_to_every_interface_and_can_be_narrowed() -> None:
+    url = "postgresql+psycopg://u@h/db"
+
+    assert WorkerSettings.from_env({"DATABASE_URL": url}).metrics_host == "0.0.0.0"
+    narrowed = WorkerSettings.from_env({"DATABASE_URL": url, "WORKER_METRICS_HOST": "127.0.0.1"})
+    assert narrowed.metrics_host == "127.0.0.1"

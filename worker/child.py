@@ -155,6 +155,9 @@ class Listener:
             autocommit=True,
             application_name=LISTEN_APPLICATION_NAME,
             connect_timeout=5,
+            # An idle listener on a black-holed network would otherwise wait for a NOTIFY
+            # that can never arrive, without noticing: keepalives find the dead peer.
+            **db_engine.TCP_ARGS,
         )
         try:
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))

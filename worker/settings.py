@@ -158,6 +158,7 @@ class WorkerSettings:
             shutdown_timeout=env_float(env, "SHUTDOWN_TIMEOUT_SECONDS", 30.0, minimum=0.0),
             boot_timeout=env_float(env, "WORKER_BOOT_TIMEOUT_SECONDS", 60.0, minimum=0.0),
             metrics_port=env_int(env, "WORKER_METRICS_PORT", 9100, minimum=0, maximum=65535),
+            metrics_host=env_str(env, "WORKER_METRICS_HOST", "0.0.0.0"),  # noqa: S104
             prometheus_multiproc_dir=Path(multiproc) if multiproc else None,
             retention_days=env_float(env, "TASK_RETENTION_DAYS", 7.0, minimum=0.0),
             log_level=log_level,
