@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 import psycopg
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
@@ -151,13 +152,12 @@ class Listener:
         """Open the connection and LISTEN; raises `psycopg.Error` on failure."""
         self.close()
         conn = psycopg.connect(
-            self._conninfo,
+            # An idle listener on a black-holed network would otherwise wait for a NOTIFY
+            # that can never arrive, without noticing: keepalives find the dead peer.
+            make_conninfo(self._conninfo, **db_engine.TCP_ARGS),
             autocommit=True,
             application_name=LISTEN_APPLICATION_NAME,
             connect_timeout=5,
-            # An idle listener on a black-holed network would otherwise wait for a NOTIFY
-            # that can never arrive, without noticing: keepalives find the dead peer.
-            **db_engine.TCP_ARGS,
         )
         try:
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
