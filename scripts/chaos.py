@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import os
 import random
 import secrets
@@ -60,6 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts import stack  # noqa: E402  (needs the repository on sys.path)
+from worker import processing  # noqa: E402
 
 # How often the main thread looks at the database while waiting.
 POLL_SECONDS = 0.5
@@ -243,17 +245,18 @@ def create_tasks(
 # -- POST /workers/process from threads ----------------------------------------------------
 
 
+PASS_FIELDS = tuple(f.name for f in dataclasses.fields(processing.PassResult))
+
+
 @dataclass
 class PassTotals:
-    """What the API's processing passes reported, summed; `errors` counts failed requests."""
+    """What the API's processing passes reported, summed; `errors` counts failed requests.
+
+    `counts` is keyed by the fields of `worker.processing.PassResult` (the endpoint's body).
+    """
 
     passes: int = 0
-    claimed: int = 0
-    completed: int = 0
-    retried: int = 0
-    failed: int = 0
-    released: int = 0
-    lease_lost: int = 0
+    counts: collections.Counter[str] = field(default_factory=collections.Counter)
     errors: int = 0
     statuses: collections.Counter[int] = field(default_factory=collections.Counter)
 
@@ -307,8 +310,7 @@ class ApiPassers:
                 return 0
             body = response.json()
             totals.passes += 1
-            for name in ("claimed", "completed", "retried", "failed", "released", "lease_lost"):
-                setattr(totals, name, getattr(totals, name) + int(body[name]))
+            totals.counts.update({name: int(body[name]) for name in PASS_FIELDS})
             return int(body["claimed"])
 
 
@@ -654,9 +656,9 @@ def format_report(report: ChaosReport) -> str:
         f"  of which re-claimed (attempts > 1): {report.duplicates_reclaimed}",
         f"  unexplained (attempts == 1): {report.duplicates_unexplained}",
         f"lease lost (fenced finalize refused): workers {report.worker_lease_lost:.0f}, "
-        f"API passes {api.lease_lost}",
+        f"API passes {api.counts['lease_lost']}",
         f"completed by: worker children {report.worker_completed:.0f}, API passes "
-        f"{api.completed} ({api.passes} passes, {api.errors} failed requests)",
+        f"{api.counts['completed']} ({api.passes} passes, {api.errors} failed requests)",
         f"wall time:                  {report.wall_seconds:.1f}s (kills for "
         f"{report.chaos_seconds:.1f}s, then drain{'ed' if report.drained else ' TIMED OUT'})",
         f"result:                     {'OK' if report.ok else 'FAILED'}",
