@@ -12,7 +12,9 @@ import uuid
 from typing import Any
 
 from sqlalchemy import (
+    Boolean,
     CheckConstraint,
+    Double,
     ForeignKey,
     Index,
     MetaData,
@@ -56,8 +58,14 @@ CK_TASK_STATUS = "ck_tasks_status"
 CK_TASK_MAX_ATTEMPTS = "ck_tasks_max_attempts_range"
 CK_TASK_PAYLOAD_OBJECT = "ck_tasks_payload_is_object"
 CK_TASK_ATTEMPTS = "ck_tasks_attempts_non_negative"
+CK_COMPANY_WEIGHT = "ck_companies_weight_range"
+CK_COMPANY_MAX_IN_FLIGHT = "ck_companies_max_in_flight_range"
 
 MAX_ATTEMPTS_LIMIT = 50
+# A company's share of claimed tasks is proportional to its weight (docs/design.md, Claim).
+MIN_WEIGHT, MAX_WEIGHT = 1, 1000
+# Bounds of max_in_flight, the most `processing` leases a company may hold at once.
+MIN_IN_FLIGHT, MAX_IN_FLIGHT = 1, 100_000
 
 Timestamp = TIMESTAMP(timezone=True)
 
@@ -81,8 +89,71 @@ class Company(Base):
     created_at: Mapped[dt.datetime] = mapped_column(
         Timestamp, nullable=False, server_default=text("now()")
     )
+    # Share of claimed tasks while several companies have runnable work (1..1000).
+    weight: Mapped[int] = mapped_column(nullable=False, server_default=text("1"))
+    # Most `processing` leases at once across every worker; None = unlimited.
+    max_in_flight: Mapped[int | None] = mapped_column()
 
-    __table_args__ = (UniqueConstraint("api_key_hash"),)
+    __table_args__ = (
+        UniqueConstraint("api_key_hash"),
+        CheckConstraint(f"weight BETWEEN {MIN_WEIGHT} AND {MAX_WEIGHT}", name="weight_range"),
+        CheckConstraint(
+            f"max_in_flight BETWEEN {MIN_IN_FLIGHT} AND {MAX_IN_FLIGHT}",
+            name="max_in_flight_range",
+        ),
+    )
+
+
+class CompanyQueue(Base):
+    """The claim's view of one company: when it has work due, and its virtual time.
+
+    Derived state, one row per company (created by a trigger on `companies`). `due_at` is a
+    lower bound of the earliest `run_after` among the company's pending tasks (None: none);
+    triggers on `tasks` lower it whenever a task becomes pending, and only the claimer
+    raises it, under the company's wake-up lock (db/queue.py, `claim`). `ready` marks the
+    companies the claimer considers, in `vtime` order: start-time fair queueing's virtual
+    time, in tasks per unit of weight. Migration 0003 holds the triggers.
+    """
+
+    __tablename__ = "company_queues"
+
+    company_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("companies.id", ondelete="CASCADE"), primary_key=True
+    )
+    due_at: Mapped[dt.datetime | None] = mapped_column(Timestamp)
+    ready: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    vtime: Mapped[float] = mapped_column(Double, nullable=False, server_default=text("0"))
+
+    __table_args__ = (
+        # The claim's contenders: ready companies, least virtual time first.
+        Index(
+            "ix_company_queues_ready_vtime",
+            "vtime",
+            "company_id",
+            postgresql_where=text("ready"),
+        ),
+        # Companies waiting for their earliest task to come due (scheduled or backed off).
+        Index(
+            "ix_company_queues_waiting_due_at",
+            "due_at",
+            postgresql_where=text("NOT ready AND due_at IS NOT NULL"),
+        ),
+    )
+
+
+class ClaimClock(Base):
+    """The fair queue's virtual clock: one row, the largest start tag claimed so far.
+
+    A company that becomes ready again starts at `max(its vtime, virtual_time)`, so time
+    spent idle is never banked as credit (start-time fair queueing, Goyal et al. 1996).
+    """
+
+    __tablename__ = "claim_clock"
+
+    id: Mapped[bool] = mapped_column(Boolean, primary_key=True, server_default=text("true"))
+    virtual_time: Mapped[float] = mapped_column(Double, nullable=False, server_default=text("0"))
+
+    __table_args__ = (CheckConstraint("id", name="single_row"),)
 
 
 _status_values = ", ".join(f"'{s.value}'" for s in TaskStatus)

@@ -1,0 +1,187 @@
+"""Weighted fair claim: company weights and in-flight limits, per-company queue state, triggers.
+
+- `companies.weight` (1..1000, default 1) and `companies.max_in_flight` (1..100000 or NULL).
+- `company_queues`: one row per company, the claim's view of it (`db.models.CompanyQueue`):
+  `due_at`, a lower bound of its earliest pending `run_after`; `ready`, whether the claimer
+  considers it; `vtime`, its virtual time. Backfilled here from the pending rows.
+- `claim_clock`: the one-row virtual clock.
+- Triggers keep `company_queues` true whatever writes `tasks` (the API, workers, an older
+  release during a rolling deploy, an operator's SQL):
+  * AFTER INSERT ON companies: the company's `company_queues` row.
+  * AFTER INSERT ON tasks, per statement: for each company with new pending rows, take the
+    company's wake-up lock in shared mode, then lower `due_at` to the earliest new
+    `run_after` if it is later (or NULL).
+  * AFTER UPDATE ON tasks, per row, only when a row becomes pending or its `run_after`
+    moves earlier (retry, release, requeue of an expired lease, API retry): the same.
+  The UPDATE writes only when it lowers `due_at`, so a busy company's creates never queue on
+  its row. The claimer raises `due_at` (a company found without runnable work) only while
+  holding the same lock exclusively (`pg_try_advisory_xact_lock`), and reads the company's
+  tasks after taking it: a task whose transaction is still open holds the lock in shared
+  mode, so it can never be missed (docs/design.md, "The claim").
+
+On a live table: the new columns have constant defaults (no rewrite); CREATE TRIGGER takes a
+SHARE ROW EXCLUSIVE lock on `tasks`, so writes to `tasks` wait for this migration's commit
+(the backfill reads one index entry per company), and no task can slip in between the
+backfill and the triggers. No index on `tasks` is built: the claim reads the indexes of 0002.
+
+Revision ID: 0003
+Revises: 0002
+Create Date: 2026-12-01
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+from sqlalchemy.dialects import postgresql
+
+revision: str = "0003"
+down_revision: str | None = "0002"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+# The first key of a company's wake-up lock, pg_advisory_xact_lock(namespace, hashtext(id)):
+# "fqwk" in ASCII. db/queue.py WAKE_LOCK_NAMESPACE must stay equal (tests/test_fair_claim.py).
+WAKE_LOCK_NAMESPACE = 0x66_71_77_6B
+
+_NOTE_PENDING_INSERT = f"""
+CREATE FUNCTION fairq_note_pending_inserted() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    -- Shared lock first, then the check: the claimer raises due_at only while holding the
+    -- lock exclusively, so it either sees this transaction's tasks or waits it out.
+    PERFORM pg_advisory_xact_lock_shared({WAKE_LOCK_NAMESPACE}, hashtext(n.company_id::text))
+    FROM (SELECT DISTINCT company_id FROM new_tasks WHERE status = 'pending') n;
+    UPDATE company_queues q
+    SET due_at = n.due_at
+    FROM (SELECT company_id, min(run_after) AS due_at
+          FROM new_tasks WHERE status = 'pending' GROUP BY company_id) n
+    WHERE q.company_id = n.company_id
+      AND (q.due_at IS NULL OR q.due_at > n.due_at);
+    RETURN NULL;
+END
+$$
+"""
+
+_NOTE_PENDING_UPDATE = f"""
+CREATE FUNCTION fairq_note_pending_updated() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared({WAKE_LOCK_NAMESPACE}, hashtext(NEW.company_id::text));
+    UPDATE company_queues q
+    SET due_at = NEW.run_after
+    WHERE q.company_id = NEW.company_id
+      AND (q.due_at IS NULL OR q.due_at > NEW.run_after);
+    RETURN NULL;
+END
+$$
+"""
+
+_ADD_COMPANY_QUEUE = """
+CREATE FUNCTION fairq_add_company_queue() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO company_queues (company_id) VALUES (NEW.id);
+    RETURN NULL;
+END
+$$
+"""
+
+
+def upgrade() -> None:
+    op.add_column(
+        "companies", sa.Column("weight", sa.Integer(), server_default=sa.text("1"), nullable=False)
+    )
+    op.add_column("companies", sa.Column("max_in_flight", sa.Integer(), nullable=True))
+    op.create_check_constraint(
+        op.f("ck_companies_weight_range"), "companies", "weight BETWEEN 1 AND 1000"
+    )
+    op.create_check_constraint(
+        op.f("ck_companies_max_in_flight_range"),
+        "companies",
+        "max_in_flight BETWEEN 1 AND 100000",
+    )
+    op.create_table(
+        "company_queues",
+        sa.Column("company_id", sa.UUID(), nullable=False),
+        sa.Column("due_at", postgresql.TIMESTAMP(timezone=True), nullable=True),
+        sa.Column("ready", sa.Boolean(), server_default=sa.text("false"), nullable=False),
+        sa.Column("vtime", sa.Double(), server_default=sa.text("0"), nullable=False),
+        sa.ForeignKeyConstraint(
+            ["company_id"],
+            ["companies.id"],
+            name=op.f("fk_company_queues_company_id_companies"),
+            ondelete="CASCADE",
+        ),
+        sa.PrimaryKeyConstraint("company_id", name=op.f("pk_company_queues")),
+    )
+    op.create_index(
+        "ix_company_queues_ready_vtime",
+        "company_queues",
+        ["vtime", "company_id"],
+        postgresql_where=sa.text("ready"),
+    )
+    op.create_index(
+        "ix_company_queues_waiting_due_at",
+        "company_queues",
+        ["due_at"],
+        postgresql_where=sa.text("NOT ready AND due_at IS NOT NULL"),
+    )
+    op.create_table(
+        "claim_clock",
+        sa.Column("id", sa.Boolean(), server_default=sa.text("true"), nullable=False),
+        sa.Column("virtual_time", sa.Double(), server_default=sa.text("0"), nullable=False),
+        sa.CheckConstraint("id", name=op.f("ck_claim_clock_single_row")),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_claim_clock")),
+    )
+    op.execute("INSERT INTO claim_clock DEFAULT VALUES")
+    op.execute(_ADD_COMPANY_QUEUE)
+    op.execute(_NOTE_PENDING_INSERT)
+    op.execute(_NOTE_PENDING_UPDATE)
+    # The triggers before the backfill: from here on every write to tasks waits for commit.
+    op.execute(
+        "CREATE TRIGGER companies_add_queue AFTER INSERT ON companies "
+        "FOR EACH ROW EXECUTE FUNCTION fairq_add_company_queue()"
+    )
+    op.execute(
+        "CREATE TRIGGER tasks_pending_inserted AFTER INSERT ON tasks "
+        "REFERENCING NEW TABLE AS new_tasks "
+        "FOR EACH STATEMENT EXECUTE FUNCTION fairq_note_pending_inserted()"
+    )
+    op.execute(
+        "CREATE TRIGGER tasks_pending_updated AFTER UPDATE ON tasks FOR EACH ROW "
+        "WHEN (NEW.status = 'pending' AND (OLD.status <> 'pending' "
+        "OR NEW.run_after < OLD.run_after OR NEW.company_id <> OLD.company_id)) "
+        "EXECUTE FUNCTION fairq_note_pending_updated()"
+    )
+    # One index probe per company (ix_tasks_pending_company_run_after); the claimer promotes
+    # every company whose due_at has come.
+    op.execute(
+        """
+        INSERT INTO company_queues (company_id, due_at)
+        SELECT c.id,
+               (SELECT t.run_after FROM tasks t
+                WHERE t.company_id = c.id AND t.status = 'pending'
+                ORDER BY t.run_after LIMIT 1)
+        FROM companies c
+        """
+    )
+
+
+def downgrade() -> None:
+    op.execute("DROP TRIGGER tasks_pending_updated ON tasks")
+    op.execute("DROP TRIGGER tasks_pending_inserted ON tasks")
+    op.execute("DROP TRIGGER companies_add_queue ON companies")
+    op.execute("DROP FUNCTION fairq_note_pending_updated()")
+    op.execute("DROP FUNCTION fairq_note_pending_inserted()")
+    op.execute("DROP FUNCTION fairq_add_company_queue()")
+    op.drop_table("claim_clock")
+    op.drop_index("ix_company_queues_waiting_due_at", table_name="company_queues")
+    op.drop_index("ix_company_queues_ready_vtime", table_name="company_queues")
+    op.drop_table("company_queues")
+    op.drop_constraint(op.f("ck_companies_max_in_flight_range"), "companies", type_="check")
+    op.drop_constraint(op.f("ck_companies_weight_range"), "companies", type_="check")
+    op.drop_column("companies", "max_in_flight")
+    op.drop_column("companies", "weight")
