@@ -2,24 +2,86 @@
 
 from __future__ import annotations
 
+import enum
 import uuid
+from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
 from db import errors
 from db.models import Company
 
 
-def create_company(session: Session, *, name: str, api_key_hash: str) -> Company:
-    """Insert a company; `api_key_hash` is the SHA-256 hex digest of its key."""
-    stmt = insert(Company).values(name=name, api_key_hash=api_key_hash).returning(Company)
+class Unset(enum.Enum):
+    """Marks a keyword argument the caller did not give (None is a value: "unlimited")."""
+
+    UNSET = enum.auto()
+
+
+UNSET = Unset.UNSET
+
+
+def create_company(
+    session: Session,
+    *,
+    name: str,
+    api_key_hash: str,
+    weight: int = 1,
+    max_in_flight: int | None = None,
+) -> Company:
+    """Insert a company; `api_key_hash` is the SHA-256 hex digest of its key.
+
+    `weight` and `max_in_flight` (None: unlimited) default to the columns' defaults.
+    """
+    stmt = (
+        insert(Company)
+        .values(
+            name=name, api_key_hash=api_key_hash, weight=weight, max_in_flight=max_in_flight
+        )
+        .returning(Company)
+    )
     return session.scalars(stmt).one()
 
 
 def get_company(session: Session, company_id: uuid.UUID) -> Company:
     """The company with this id. Raises `errors.NotFound`."""
     company = session.get(Company, company_id)
+    if company is None:
+        raise errors.NotFound("company not found")
+    return company
+
+
+def update_company_limits(
+    session: Session,
+    company_id: uuid.UUID,
+    *,
+    weight: int | Unset = UNSET,
+    max_in_flight: int | None | Unset = UNSET,
+) -> Company:
+    """Set the given limits of a company and return it; `max_in_flight=None` is unlimited.
+
+    One UPDATE ... RETURNING: no read-then-write race with another change. The bounds are
+    the CHECK constraints `CK_COMPANY_WEIGHT` and `CK_COMPANY_MAX_IN_FLIGHT`; a value outside
+    them raises `IntegrityError`. Raises `errors.NotFound`, and `ValueError` when neither
+    limit is given.
+    """
+    values: dict[str, Any] = {}
+    if not isinstance(weight, Unset):
+        values["weight"] = weight
+    if not isinstance(max_in_flight, Unset):
+        values["max_in_flight"] = max_in_flight
+    if not values:
+        raise ValueError("update_company_limits needs weight or max_in_flight")
+    stmt = (
+        update(Company)
+        .where(Company.id == company_id)
+        .values(**values)
+        .returning(Company)
+        # An instance already in the session (e.g. loaded to authenticate) gets the new values.
+        .execution_options(synchronize_session=False, populate_existing=True)
+    )
+    company = session.scalars(stmt).one_or_none()
     if company is None:
         raise errors.NotFound("company not found")
     return company

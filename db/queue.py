@@ -16,7 +16,7 @@ from sqlalchemy import CursorResult, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
-from db import errors
+from db import errors, fair_share
 from db.models import UQ_TASK_IDEMPOTENCY_KEY, Task, TaskStatus
 
 # ---------------------------------------------------------------------------------------------
@@ -196,6 +196,11 @@ def retry_task(session: Session, company_id: uuid.UUID, task_id: uuid.UUID) -> T
 # Key of the transaction-scoped advisory lock that serializes claimers ("fairqcl" in ASCII).
 CLAIM_LOCK_KEY = 0x66_61_69_72_71_63_6C
 
+# First key of a company's wake-up lock, (namespace, hashtext(company_id)). Writers that make
+# a task pending hold it shared (the triggers of migration 0003, which spell the same number);
+# the claimer takes it exclusively before it marks a company as out of runnable work.
+WAKE_LOCK_NAMESPACE = 0x66_71_77_6B
+
 # `last_error` is for humans; a handler's error can be arbitrarily long.
 MAX_ERROR_CHARS = 2000
 
@@ -229,93 +234,123 @@ class ClaimedTask:
         return Lease(self.id, self.lease_token)
 
 
+# Waiting companies made ready per claim at most: a mass wake-up is spread over claims.
+PROMOTE_LIMIT = 1000
+
+# Claim rounds at most per claim; each round after the first follows companies that had less
+# runnable work than their share, so more than a few means the wake-up hints are far off.
+MAX_CLAIM_ROUNDS = 8
+
+
 _SERIALIZE_CLAIMERS = text(
-    # pg_advisory_xact_lock: claimers queue here, one at a time, until the holder commits. Two
-    # concurrent claimers compute the same candidates, so without it most of their batches
-    # come back short (SKIP LOCKED skips what the other took; DESIGN §4 claim evidence).
-    # Taken in its own statement so the claim's snapshot is taken after the previous claimer
-    # committed. set_config(..., true) is SET LOCAL: with many tenants the claim's cost
-    # estimate crosses jit_above_cost, and compiling costs more than the claim itself.
-    "SELECT pg_advisory_xact_lock(:key), set_config('jit', 'off', true)"
+    # pg_advisory_xact_lock: claimers queue here, one at a time, until the holder commits, so
+    # two never compute the same candidates (SKIP LOCKED would leave both batches short) and
+    # the in-flight counts a claim reads cannot change under it but downwards.
+    # Taken in its own statement so the claim's snapshots come after the previous claimer's
+    # commit. set_config(..., true) is SET LOCAL, for this transaction only: JIT compiles
+    # for longer than the claim runs; and the plan must not depend on statistics (a burst of
+    # inserts that ANALYZE has not seen yet made a planner hash-join the whole backlog), so
+    # every statement of the claim is pinned to nested loops over index scans.
+    """
+    SELECT pg_advisory_xact_lock(:key),
+           set_config('jit', 'off', true),
+           set_config('enable_seqscan', 'off', true),
+           set_config('enable_bitmapscan', 'off', true),
+           set_config('enable_hashjoin', 'off', true),
+           set_config('enable_mergejoin', 'off', true),
+           set_config('enable_sort', 'off', true)
+    """
+)
+
+_CONTENDERS = text(
+    """
+WITH promoted AS (
+    -- Companies whose earliest task has come due (scheduled, backed off, or just created)
+    -- join the contenders. SKIP LOCKED: a row a writer is lowering right now is promoted
+    -- by the next claim, after that writer's commit.
+    UPDATE company_queues q
+    SET ready = true
+    FROM (
+        SELECT w.company_id
+        FROM company_queues w
+        WHERE NOT w.ready AND w.due_at IS NOT NULL AND w.due_at <= now()
+        ORDER BY w.due_at
+        LIMIT :promote_limit
+        FOR UPDATE SKIP LOCKED
+    ) due
+    WHERE q.company_id = due.company_id
+    RETURNING q.company_id, q.vtime
+),
+queued AS (
+    -- Ready companies, least virtual time first: the index in order, merged with the ones
+    -- just promoted (this statement's snapshot does not see its own UPDATE).
+    SELECT u.company_id, u.vtime
+    FROM (
+        (SELECT r.company_id, r.vtime FROM company_queues r
+         WHERE r.ready AND NOT (r.company_id = ANY(CAST(:exclude AS uuid[])))
+         ORDER BY r.vtime, r.company_id)
+        UNION ALL
+        (SELECT p.company_id, p.vtime FROM promoted p ORDER BY p.vtime, p.company_id)
+    ) u
+    ORDER BY u.vtime, u.company_id
+)
+SELECT s.company_id, s.vtime, c.weight, h.headroom,
+       (SELECT k.virtual_time FROM claim_clock k) AS clock
+FROM queued s
+JOIN companies c ON c.id = s.company_id
+CROSS JOIN LATERAL (
+    -- How many more leases it may hold. Counted only for a company with a limit, and at
+    -- most max_in_flight index entries (ix_tasks_processing_company_locked_at).
+    SELECT CASE WHEN c.max_in_flight IS NULL THEN CAST(:batch_size AS int)
+                ELSE c.max_in_flight - (
+                    SELECT count(*) FROM (
+                        SELECT 1 FROM tasks t
+                        WHERE t.company_id = s.company_id AND t.status = 'processing'
+                        LIMIT c.max_in_flight
+                    ) held)
+           END AS headroom
+) h
+-- A company at its limit is passed over, not dropped: it stays ready for a later claim.
+WHERE h.headroom > 0
+LIMIT :batch_size
+"""
 )
 
 _CLAIM = text(
     """
-WITH candidates AS (
-    -- Driven by the companies table, not SELECT DISTINCT company_id over tasks: that costs
-    -- a scan of every live row; this costs two index probes per company.
-    SELECT k.id, k.eligible_at, k.rank
-    FROM companies c
-    CROSS JOIN LATERAL (
-        -- Per-company top-K by "eligible since", merged from two streams that each arrive
-        -- in eligible_at order and each stop after per_company_cap rows: a Merge Append of
-        -- two LIMITed index range scans, so a company costs at most 2 * per_company_cap
-        -- index entries however many delayed rows or live leases it has. No Sort: rank
-        -- comes from the merge order.
-        SELECT e.id, e.eligible_at,
-               row_number() OVER (ORDER BY e.eligible_at, e.id) AS rank
-        FROM (
-            (
-                -- Runnable pending work became eligible at run_after (= created_at unless
-                -- scheduled with run_at or backed off). ix_tasks_pending_company_run_after
-                -- (company_id, run_after, id) WHERE status = 'pending': the range
-                -- run_after <= now() is an index condition, so rows scheduled or backed off
-                -- into the future are never read. Index-only (id is a key column) where the
-                -- visibility map allows.
-                SELECT t.id, t.run_after AS eligible_at
-                FROM tasks t
-                WHERE t.company_id = c.id
-                  AND t.status = 'pending'
-                  AND t.run_after <= now()
-                ORDER BY t.run_after, t.id
-                LIMIT :per_company_cap
-            )
-            UNION ALL
-            (
-                -- A lease whose holder stopped heartbeating (crash) has waited for a worker
-                -- since its holder was last known alive: locked_at (lease start, refreshed by
-                -- every heartbeat). ix_tasks_processing_company_locked_at (company_id,
-                -- locked_at, id) WHERE status = 'processing': the range locked_at < now() -
-                -- stale_after is an index condition, so live leases are never read.
-                -- attempts < max_attempts leaves poison pills to fail_lost_tasks (run before
-                -- every claim, so few are ever filtered out here). Ordered by the column
-                -- itself, not locked_at + stale_after: then the merge needs no Sort and reads
-                -- this stream lazily, usually one row.
-                SELECT t.id, t.locked_at AS eligible_at
-                FROM tasks t
-                WHERE t.company_id = c.id
-                  AND t.status = 'processing'
-                  AND t.locked_at < now() - make_interval(secs => CAST(:stale_after AS float8))
-                  AND t.attempts < t.max_attempts
-                ORDER BY t.locked_at, t.id
-                LIMIT :per_company_cap
-            )
-        ) e
-        -- id breaks ties, so the order (and the batch) is deterministic.
-        ORDER BY e.eligible_at, e.id
-        LIMIT :per_company_cap
-    ) k
+WITH share AS (
+    -- What fair_share.allocate gave each company, with the virtual time it started from.
+    SELECT * FROM unnest(CAST(:company_ids AS uuid[]), CAST(:shares AS int[]),
+                         CAST(:vtimes AS float8[]), CAST(:weights AS int[]))
+           AS s(company_id, n, vtime, weight)
 ),
 picked AS (
-    -- Fairness (DESIGN §1.3): every company's longest-waiting task before any company's
-    -- second one, and so on; within a rank, longest waiting first.
-    SELECT id, eligible_at, rank FROM candidates ORDER BY rank, eligible_at, id
-    LIMIT :batch_size
+    -- Each company's longest-waiting runnable tasks: a range scan of
+    -- ix_tasks_pending_company_run_after (company_id, run_after, id) WHERE status =
+    -- 'pending' that stops after its share; rows scheduled or backed off into the future
+    -- lie beyond now() and are never read. id breaks ties (a bulk insert shares one now()).
+    SELECT k.id, s.company_id, s.vtime + CAST(k.rank - 1 AS float8) / s.weight AS tag, k.run_after
+    FROM share s
+    CROSS JOIN LATERAL (
+        SELECT t.id, t.run_after, row_number() OVER (ORDER BY t.run_after, t.id) AS rank
+        FROM tasks t
+        WHERE t.company_id = s.company_id
+          AND t.status = 'pending'
+          AND t.run_after <= now()
+        ORDER BY t.run_after, t.id
+        LIMIT s.n
+    ) k
 ),
 locked AS (
-    SELECT t.id, p.rank, p.eligible_at
-    FROM tasks t
-    JOIN picked p ON p.id = t.id
-    -- The full eligibility predicate again, on the row being locked: if another transaction
-    -- changed the row after our snapshot (a claimer took it, its holder heartbeated, the API
-    -- cancelled it), READ COMMITTED re-checks these quals on the newest version
-    -- (EvalPlanQual) and drops the row instead of claiming it twice.
-    WHERE (t.status = 'pending' AND t.run_after <= now())
-       OR (t.status = 'processing'
-           AND t.locked_at < now() - make_interval(secs => CAST(:stale_after AS float8))
-           AND t.attempts < t.max_attempts)
+    SELECT t.id, p.tag, p.run_after
+    FROM picked p
+    JOIN tasks t ON t.id = p.id
+    -- Eligibility again, on the row being locked: if another transaction changed it after
+    -- our snapshot (the API cancelled it), READ COMMITTED re-checks these quals on the
+    -- newest version (EvalPlanQual) and drops the row instead of claiming it.
+    WHERE t.status = 'pending' AND t.run_after <= now()
     -- OF t: lock task rows only. SKIP LOCKED: a row another transaction holds is not worth
-    -- waiting for; it is that transaction's to claim or finalize.
+    -- waiting for; it is that transaction's to change.
     FOR UPDATE OF t SKIP LOCKED
 ),
 claimed AS (
@@ -332,12 +367,53 @@ claimed AS (
     FROM locked l
     WHERE t.id = l.id
     RETURNING t.id, t.company_id, t.type, t.payload, t.attempts, t.max_attempts,
-              t.lease_token, t.created_at, l.rank, l.eligible_at
+              t.lease_token, t.created_at, l.tag, l.run_after
+),
+served AS (
+    SELECT company_id, count(*) AS n, max(tag) AS last_tag FROM claimed GROUP BY company_id
+),
+advanced AS (
+    -- Virtual time moves by what a company got, not by what it was offered.
+    UPDATE company_queues q
+    SET vtime = s.vtime + CAST(v.n AS float8) / s.weight
+    FROM served v JOIN share s ON s.company_id = v.company_id
+    WHERE q.company_id = v.company_id
+),
+ticked AS (
+    -- The clock is the largest start tag claimed so far.
+    UPDATE claim_clock
+    SET virtual_time = greatest(virtual_time, (SELECT max(last_tag) FROM served))
+    WHERE EXISTS (SELECT FROM served)
 )
 -- UPDATE ... RETURNING has no order; hand the batch out in fairness order.
 SELECT id, company_id, type, payload, attempts, max_attempts, lease_token, created_at
 FROM claimed
-ORDER BY rank, eligible_at, id
+ORDER BY tag, run_after, id
+"""
+)
+
+_TRY_WAKE_LOCKS = text(
+    """
+SELECT u.company_id
+FROM unnest(CAST(:company_ids AS uuid[])) AS u(company_id)
+WHERE pg_try_advisory_xact_lock(:namespace, hashtext(u.company_id::text))
+"""
+)
+
+_SETTLE = text(
+    # A new statement, so a new snapshot taken after the wake-up locks: it sees every task
+    # committed by a writer that held the lock before us, and no writer holds it now.
+    """
+UPDATE company_queues q
+SET due_at = d.due_at,
+    ready = coalesce(d.due_at <= now(), false)
+FROM unnest(CAST(:company_ids AS uuid[])) AS u(company_id)
+CROSS JOIN LATERAL (
+    SELECT min(t.run_after) AS due_at
+    FROM tasks t
+    WHERE t.company_id = u.company_id AND t.status = 'pending'
+) d
+WHERE q.company_id = u.company_id
 """
 )
 
@@ -347,103 +423,160 @@ def claim(
     *,
     worker_id: str,
     batch_size: int,
-    per_company_cap: int,
-    stale_after: float,
 ) -> list[ClaimedTask]:
-    """Claim up to `batch_size` eligible tasks fairly; return them in claim order.
+    """Claim up to `batch_size` runnable tasks, weighted-fair across companies; in claim order.
 
-    Eligible (DESIGN §4): `pending` with `run_after <= now()`, or `processing` whose lease is
-    older than `stale_after` seconds and that has attempts left. Each claimed row gets a new
-    `lease_token` and counts an attempt. Run it under READ COMMITTED (the default) and commit
-    right after: the advisory lock taken here serializes every claimer until then.
+    Runnable: `pending` with `run_after <= now()` (leases that expired are made pending by
+    `expire_leases` first). Each claimed row moves to `processing` with a new `lease_token`
+    and counts an attempt. Run it under READ COMMITTED (the default) and commit right after:
+    the advisory lock taken here serializes every claimer until then.
 
-    Order: each company's eligible tasks are ranked by how long they have been waiting for a
-    worker ("eligible since"): `run_after` for pending work (when it became runnable),
-    `locked_at` for a stale lease (when its holder was last known alive: lease start or last
-    heartbeat; the task has waited since about then, not only since the lease ran out
-    `stale_after` later); at most `per_company_cap` per company; the batch is ordered by
-    (per-company rank, eligible since, id). Deviation from DESIGN §4 ("rank by created_at",
-    migration 0002): for a task created without `run_at` and never retried,
-    `run_after == created_at` (both `now()` of the creating transaction), so the order is
-    created_at order as before. A task retried with backoff, or scheduled with `run_at`,
-    queues behind work of its company that became eligible before it (and one scheduled in
-    the past goes ahead of younger work: its `run_at` is when it became eligible); a released
-    task keeps its `run_after` and so its place. Fairness across companies is unchanged:
-    every company's rank 1 before anyone's rank 2.
+    Work-conserving: fewer than `batch_size` only when no more runnable task is allowed (a
+    company at its `max_in_flight` holds back the rest of its work). Which tasks: each
+    company's share comes from `fair_share.allocate` over the ready companies with the least
+    virtual time (start-time fair queueing, weighted by `companies.weight`), and within a
+    company its longest-waiting tasks, by `run_after` ("eligible since"). A company that had
+    less runnable work than its share gives its slots to the others in a further round, and
+    is settled: its `company_queues` row is brought up to date under its wake-up lock.
 
-    Why not created_at: eligibility depends on `now()`, which no index predicate may
-    mention, so an index in created_at order holds not-yet-runnable rows too, and a claim
-    must read past all of them (one tenant's 300,000 delayed rows made every claim, for
-    every tenant, take 150 to 580 ms instead of 5 to 8, all of it under the claim lock;
-    `scripts/bench_claim.py --delayed-backlog`). Keeping strict created_at order at
-    O(per_company_cap) would take a separate state for delayed work that a promoter moves to
-    `pending` when due: a new status and a new moving part, for an order that "oldest
-    eligible first" does not need. In run_after order the runnable rows are a prefix of the
-    index range, so each company costs at most 2 * `per_company_cap` index entries.
+    The cost depends on the batch size, not on how many companies exist or have work: at most
+    `batch_size` contenders are read from an index in virtual-time order, and each company's
+    tasks from an index range that stops after its share (docs/design.md, "The claim").
     """
     session.execute(_SERIALIZE_CLAIMERS, {"key": CLAIM_LOCK_KEY})
+    batch: list[ClaimedTask] = []
+    exhausted: list[uuid.UUID] = []
+    for _ in range(MAX_CLAIM_ROUNDS):
+        wanted = batch_size - len(batch)
+        contenders = _contenders(session, wanted, exclude=exhausted)
+        if not contenders:
+            break
+        shares = fair_share.allocate(contenders, wanted)
+        weights = {c.company_id: c for c in contenders}
+        ids = list(shares)
+        rows = session.execute(
+            _CLAIM,
+            {
+                "worker_id": worker_id,
+                "company_ids": ids,
+                "shares": [shares[i] for i in ids],
+                "vtimes": [weights[i].vtime for i in ids],
+                "weights": [weights[i].weight for i in ids],
+            },
+        ).all()
+        got: dict[uuid.UUID, int] = {}
+        for row in rows:
+            got[row.company_id] = got.get(row.company_id, 0) + 1
+        batch.extend(ClaimedTask(*row) for row in rows)
+        short = [i for i in ids if got.get(i, 0) < shares[i]]
+        if not short:
+            break
+        exhausted.extend(short)
+        if len(batch) >= batch_size:
+            break
+    if exhausted:
+        _settle(session, exhausted)
+    return batch
+
+
+def _contenders(
+    session: Session, wanted: int, *, exclude: Sequence[uuid.UUID]
+) -> list[fair_share.Contender]:
     rows = session.execute(
-        _CLAIM,
-        {
-            "worker_id": worker_id,
-            "batch_size": batch_size,
-            "per_company_cap": per_company_cap,
-            "stale_after": stale_after,
-        },
+        _CONTENDERS,
+        {"batch_size": wanted, "promote_limit": PROMOTE_LIMIT, "exclude": list(exclude)},
     ).all()
-    return [ClaimedTask(*row) for row in rows]
+    # Idle time is not banked: nobody starts behind the clock.
+    return [
+        fair_share.Contender(
+            company_id=row.company_id,
+            vtime=max(row.vtime, row.clock),
+            weight=row.weight,
+            headroom=min(row.headroom, wanted),
+        )
+        for row in rows
+    ]
+
+
+def _settle(session: Session, company_ids: Sequence[uuid.UUID]) -> None:
+    """Bring `company_queues` of companies that ran short up to date, where safe.
+
+    A company whose wake-up lock a writer holds (a task becoming pending in a transaction
+    still open) is left ready: the next claim looks at it again.
+    """
+    locked = list(
+        session.scalars(
+            _TRY_WAKE_LOCKS, {"company_ids": list(company_ids), "namespace": WAKE_LOCK_NAMESPACE}
+        )
+    )
+    if locked:
+        session.execute(_SETTLE, {"company_ids": locked})
 
 
 @dataclass(frozen=True)
-class LostTask:
-    """A task the poison-pill sweep failed because its workers kept dying."""
+class ExpiredLease:
+    """A `processing` task whose holder stopped heartbeating, as `expire_leases` left it.
+
+    `failed`: its attempts were used up (its workers kept dying: a poison pill), so it is
+    now `failed`; else it is `pending` again, first in its company's line.
+    """
 
     id: uuid.UUID
     company_id: uuid.UUID
     type: str
     attempts: int
     locked_by: str | None
+    failed: bool
 
 
-_FAIL_LOST = text(
+_EXPIRE_LEASES = text(
     """
-WITH lost AS (
-    -- Served by ix_tasks_processing_locked_at, so running it before every claim is cheap.
-    SELECT t.id, t.locked_by
+WITH expired AS (
+    -- ix_tasks_processing_locked_at: the range locked_at < now() - stale_after, so live
+    -- leases are never read and running this before every claim is cheap.
+    SELECT t.id, t.locked_by, t.attempts >= t.max_attempts AS used_up
     FROM tasks t
     WHERE t.status = 'processing'
       AND t.locked_at < now() - make_interval(secs => CAST(:stale_after AS float8))
-      AND t.attempts >= t.max_attempts
+    ORDER BY t.locked_at
     -- Bounded, so a mass crash costs each pass a slice, not one long statement.
     LIMIT :limit
-    -- A row someone holds right now is being finalized or reclaimed; leave it to them.
+    -- A row someone holds right now is being finalized or heartbeated; leave it to them.
     FOR UPDATE OF t SKIP LOCKED
 )
 UPDATE tasks t
-SET status = 'failed',
-    finished_at = now(),
+SET status = CASE WHEN e.used_up THEN 'failed' ELSE 'pending' END,
+    -- Waiting for a worker since its holder was last known alive (lease start or last
+    -- heartbeat): first in its company's line, like a released task.
+    run_after = CASE WHEN e.used_up THEN t.run_after ELSE t.locked_at END,
+    finished_at = CASE WHEN e.used_up THEN now() END,
     updated_at = now(),
-    last_error = format('worker lost (lease expired) after %s attempts (last holder %s)',
-                        t.attempts, coalesce(lost.locked_by, 'unknown')),
+    last_error = CASE WHEN e.used_up
+        THEN format('worker lost (lease expired) after %s attempts (last holder %s)',
+                    t.attempts, coalesce(e.locked_by, 'unknown'))
+        ELSE t.last_error END,
     lease_token = NULL,
     locked_by = NULL,
     locked_at = NULL
-FROM lost
-WHERE t.id = lost.id
-RETURNING t.id, t.company_id, t.type, t.attempts, lost.locked_by
+FROM expired e
+WHERE t.id = e.id
+RETURNING t.id, t.company_id, t.type, t.attempts, e.locked_by, e.used_up
 """
 )
 
 
-def fail_lost_tasks(session: Session, *, stale_after: float, limit: int = 1000) -> list[LostTask]:
-    """Fail up to `limit` stale `processing` tasks that have no attempts left; return them.
+def expire_leases(
+    session: Session, *, stale_after: float, limit: int = 1000
+) -> list[ExpiredLease]:
+    """Take back up to `limit` leases not heartbeated for `stale_after` seconds; return them.
 
-    DESIGN §4 Poison pills: a task whose worker died on its last attempt is not run again;
-    it becomes `failed` with `last_error` saying the worker was lost. `stale_after` is in
-    seconds, as for `claim`.
+    A task with attempts left becomes `pending` (attempts stay counted: crashes count);
+    a poison pill, whose workers died on every attempt, becomes `failed` with `last_error`
+    saying so. Its holder's lease token is cleared, so whatever that worker still writes
+    changes nothing (fenced finalization).
     """
-    rows = session.execute(_FAIL_LOST, {"stale_after": stale_after, "limit": limit}).all()
-    return [LostTask(*row) for row in rows]
+    rows = session.execute(_EXPIRE_LEASES, {"stale_after": stale_after, "limit": limit}).all()
+    return [ExpiredLease(*row) for row in rows]
 
 
 def _clip_error(error: str) -> str:

@@ -330,7 +330,8 @@ class Child:
             if claimed == 0:
                 self._wait(self.settings.poll_interval, listen=True)
             # Else at once: a batch that claimed anything suggests more is eligible. Not only
-            # a full one: `per_company_cap` makes a short batch normal while work remains.
+            # a full one: a company at its max_in_flight makes a short batch normal while
+            # its work remains.
         self._write_owed_before_exit()
 
     def _write_owed_before_exit(self) -> None:

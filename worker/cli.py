@@ -48,10 +48,6 @@ FLAGS = (
     _Flag("--concurrency", "WORKER_CONCURRENCY", "N", "worker children to keep running (1..256)"),
     _Flag("--batch-size", "WORKER_BATCH_SIZE", "N", "tasks claimed per batch (1..10000)"),
     _Flag(
-        "--per-company-cap", "WORKER_PER_COMPANY_CAP", "N",
-        "at most this many tasks of one company per batch (1..10000)",
-    ),
-    _Flag(
         "--poll-interval", "WORKER_POLL_INTERVAL", "SECONDS",
         "how long an idle child waits for a NOTIFY before polling (0.01..3600)",
     ),
@@ -64,7 +60,6 @@ FLAGS = (
 _DEFAULTS = {
     "WORKER_CONCURRENCY": "2",
     "WORKER_BATCH_SIZE": "100",
-    "WORKER_PER_COMPANY_CAP": "10",
     "WORKER_POLL_INTERVAL": "1",
     "WORKER_METRICS_PORT": "9100",
 }

@@ -83,11 +83,6 @@ class PassSettings(Protocol):
         ...
 
     @property
-    def per_company_cap(self) -> int:
-        """Most tasks of one company per pass (fairness, DESIGN §1.3)."""
-        ...
-
-    @property
     def stale_after(self) -> float:
         """Seconds without a heartbeat after which a lease may be taken over."""
         ...
@@ -108,7 +103,6 @@ class PassDefaults:
     """`PassSettings` with the worker's defaults, for callers without `WorkerSettings`."""
 
     batch_size: int = 100
-    per_company_cap: int = 10
     stale_after: float = 300.0
     heartbeat_interval: float | None = None
     handler_config: HandlerConfig = field(default_factory=HandlerConfig)
@@ -326,7 +320,7 @@ def _describe_error(exc: BaseException) -> str:
 
 
 def _task_fields(
-    task: queue.ClaimedTask | queue.LostTask, event: str, seconds: float | None, **more: object
+    task: queue.ClaimedTask | queue.ExpiredLease, event: str, seconds: float | None, **more: object
 ) -> dict[str, object]:
     """The fields of a task transition's log line; `duration_ms` is None when no handler ran.
 
@@ -356,6 +350,9 @@ MSG_FAILED = (
 )
 MSG_WORKER_LOST = (
     _TASK + " failed: worker lost on each of %(attempt)d attempts (last holder %(locked_by)s)"
+)
+MSG_LEASE_EXPIRED = (
+    _TASK + " attempt %(attempt)d: lease expired (holder %(locked_by)s stopped), requeued"
 )
 MSG_RELEASED = _TASK + " released unstarted, attempt %(attempt)d handed back"
 MSG_LEASE_LOST = _TASK + " attempt %(attempt)d: lease lost, %(action)s changed nothing"
@@ -503,10 +500,14 @@ class _Pass:
         )  # fmt: skip
 
     def _sweep(self, session: Session) -> None:
-        lost = self._write(
-            session, lambda: queue.fail_lost_tasks(session, stale_after=self.settings.stale_after)
+        expired = self._write(
+            session, lambda: queue.expire_leases(session, stale_after=self.settings.stale_after)
         )
-        for task in lost:
+        for task in expired:
+            if not task.failed:
+                fields = _task_fields(task, "task.requeued", None, locked_by=task.locked_by)
+                log.warning(MSG_LEASE_EXPIRED, fields, extra=fields)
+                continue
             fields = _task_fields(
                 task, "task.failed", None, error_type="WorkerLost", locked_by=task.locked_by
             )
@@ -526,8 +527,6 @@ class _Pass:
                 session,
                 worker_id=self.worker_id,
                 batch_size=self.settings.batch_size,
-                per_company_cap=self.settings.per_company_cap,
-                stale_after=self.settings.stale_after,
             ),
         )
         seconds = time.perf_counter() - started

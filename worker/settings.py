@@ -113,7 +113,6 @@ class WorkerSettings:
     database_url: str
     concurrency: int = 2
     batch_size: int = 100
-    per_company_cap: int = 10
     poll_interval: float = 1.0
     stale_after: float = 300.0
     heartbeat_interval: float | None = None
@@ -152,7 +151,6 @@ class WorkerSettings:
             database_url=env_url(env),
             concurrency=env_int(env, "WORKER_CONCURRENCY", 2, minimum=1, maximum=256),
             batch_size=env_int(env, "WORKER_BATCH_SIZE", 100, minimum=1, maximum=10_000),
-            per_company_cap=env_int(env, "WORKER_PER_COMPANY_CAP", 10, minimum=1, maximum=10_000),
             poll_interval=env_float(env, "WORKER_POLL_INTERVAL", 1.0, minimum=0.01, maximum=3600),
             stale_after=env_float(env, "STALE_AFTER_SECONDS", 300.0, minimum=1.0),
             shutdown_timeout=env_float(env, "SHUTDOWN_TIMEOUT_SECONDS", 30.0, minimum=0.0),

@@ -168,9 +168,9 @@ class Supervisor:
         try:
             self._setup()
             log.info(
-                "supervisor %s starting %d children (batch %d, cap %d, poll %.2fs)",
+                "supervisor %s starting %d children (batch %d, poll %.2fs)",
                 os.getpid(), self.desired, self.settings.batch_size,
-                self.settings.per_company_cap, self.settings.poll_interval,
+                self.settings.poll_interval,
             )  # fmt: skip
             while True:
                 self.reap()  # may request a stop: children that cannot boot
