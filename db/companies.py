@@ -36,9 +36,7 @@ def create_company(
     """
     stmt = (
         insert(Company)
-        .values(
-            name=name, api_key_hash=api_key_hash, weight=weight, max_in_flight=max_in_flight
-        )
+        .values(name=name, api_key_hash=api_key_hash, weight=weight, max_in_flight=max_in_flight)
         .returning(Company)
     )
     return session.scalars(stmt).one()
@@ -57,7 +55,7 @@ def update_company_limits(
     company_id: uuid.UUID,
     *,
     weight: int | Unset = UNSET,
-    max_in_flight: int | None | Unset = UNSET,
+    max_in_flight: int | Unset | None = UNSET,
 ) -> Company:
     """Set the given limits of a company and return it; `max_in_flight=None` is unlimited.
 

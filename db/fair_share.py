@@ -1,59 +1,101 @@
-"""How many tasks each company gets in a claim: start-time fair queueing over a batch.
+"""How many tasks each company gets in a claim: deficit round robin over a batch.
 
-Pure: no database. `db.queue.claim` reads the contenders, asks `allocate` for each one's
-share of the batch, claims that many of each company's longest-waiting runnable tasks, and
-advances each company's virtual time by what it actually got.
+Pure: no database. `db.queue.claim` reads the ready companies in ring order from the claim
+cursor, asks `allocate` for each one's share of the batch, claims that many of each
+company's longest-waiting runnable tasks, and stores where the turn stopped.
 
-The rule (start-time fair queueing, Goyal, Vin and Cheng, SIGCOMM 1996): a company with
-virtual time `v` and weight `w` has its next tasks tagged `v, v + 1/w, v + 2/w, ...`; a
-batch takes the `slots` smallest tags over every contender, at most `headroom` from each.
-Over many batches each company's share of claimed tasks is proportional to its weight,
-whatever its backlog or its tasks' ages; with equal weights and equal virtual times, every
-company's next task comes before any company's following one.
+The rule (deficit round robin, Shreedhar and Varghese, SIGCOMM 1995, with unit-cost tasks):
+companies take turns in ring order; a turn gives a company up to its `weight` tasks (its
+quantum); a company with less runnable work, or at its in-flight limit, ends its turn early
+and keeps no credit. So while several companies have runnable work, each one's share of
+claimed tasks is its weight over the sum of weights, whatever its backlog or its tasks' ages;
+with equal weights every company's next task comes before any company's following one. A
+batch that fills up in the middle of a turn leaves the rest of that turn to the next batch
+(`Allocation.cursor`), so shares hold across batches, not only within one.
 """
 
 from __future__ import annotations
 
-import heapq
 import uuid
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Contender:
-    """A company with runnable work, as the claim sees it.
+    """A ready company, as the claim sees it.
 
-    `vtime` is its virtual time already lifted to the clock (`max(own, clock)`: time spent
-    idle is not banked); `headroom` is how many more leases it may hold (`max_in_flight`
-    minus its `processing` tasks, or the batch size when unlimited), at least 1.
+    `headroom` is how many more leases it may hold: `max_in_flight` minus its `processing`
+    tasks, or the batch size when unlimited; at least 1 (the claim passes over the others).
     """
 
     company_id: uuid.UUID
-    vtime: float
+    ring_position: int
     weight: int
     headroom: int
 
 
-def allocate(contenders: list[Contender], slots: int) -> dict[uuid.UUID, int]:
-    """Each contender's share of `slots` tasks: the `slots` smallest start tags.
+@dataclass(frozen=True)
+class Cursor:
+    """Where a turn stopped: the company's ring position and what is left of its quantum.
 
-    Ties between equal tags go to the contender listed first (the claim lists them by stored
-    virtual time, then company id). Returns only contenders that get at least one slot; the
-    shares add up to `min(slots, sum of headrooms)`.
+    `credit` 0 means the next claim starts with the company after `ring_position`.
     """
-    shares: dict[uuid.UUID, int] = {}
-    # (next start tag, position in the list, taken so far)
-    heap = [(c.vtime, i, 0) for i, c in enumerate(contenders) if c.headroom > 0]
-    heapq.heapify(heap)
-    for _ in range(slots):
-        if not heap:
-            break
-        _, i, taken = heap[0]
+
+    ring_position: int
+    credit: int
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Each company's share of a batch, and the cursor after it.
+
+    `shares` maps company id to `(tasks, turn)`: `turn` is the position of the company's
+    first turn in this batch (0, 1, ...), so tasks ordered by (their round, `turn`) come out
+    in the order round robin serves them.
+    """
+
+    shares: dict[uuid.UUID, tuple[int, int]]
+    cursor: Cursor
+
+
+def allocate(contenders: list[Contender], slots: int, credit: int) -> Allocation:
+    """Share `slots` tasks among `contenders`, listed in ring order from the cursor.
+
+    `credit` is what the first contender has left of an interrupted turn (0: a full turn,
+    its weight). Companies get at most their headroom. Returns only companies that get at
+    least one task; the shares add up to `min(slots, sum of headrooms)`.
+    """
+    taken = [0] * len(contenders)
+    turn_order: dict[uuid.UUID, int] = {}
+    left = slots
+    cursor = Cursor(contenders[0].ring_position - 1, 0) if contenders else Cursor(0, 0)
+    queue = [i for i, c in enumerate(contenders) if c.headroom > 0]
+    at = 0
+    quantum = credit if credit > 0 else None
+    while left > 0 and queue:
+        i = queue[at]
         contender = contenders[i]
-        taken += 1
-        shares[contender.company_id] = taken
-        if taken < contender.headroom:
-            heapq.heapreplace(heap, (contender.vtime + taken / contender.weight, i, taken))
+        turn_order.setdefault(contender.company_id, len(turn_order))
+        give = min(quantum or contender.weight, contender.headroom - taken[i], left)
+        taken[i] += give
+        left -= give
+        remaining = (quantum or contender.weight) - give
+        quantum = None
+        if taken[i] >= contender.headroom:
+            # At its limit: its turn ends, and it sits out the rest of this batch.
+            queue.pop(at)
+            cursor = Cursor(contender.ring_position, 0)
+        elif remaining > 0 and left == 0:
+            cursor = Cursor(contender.ring_position, remaining)
+            break
         else:
-            heapq.heappop(heap)
-    return shares
+            cursor = Cursor(contender.ring_position, 0)
+            at += 1
+        if queue:
+            at %= len(queue)
+    shares = {
+        c.company_id: (taken[i], turn_order[c.company_id])
+        for i, c in enumerate(contenders)
+        if taken[i] > 0
+    }
+    return Allocation(shares, cursor)

@@ -12,9 +12,9 @@ import uuid
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     CheckConstraint,
-    Double,
     ForeignKey,
     Index,
     MetaData,
@@ -105,14 +105,15 @@ class Company(Base):
 
 
 class CompanyQueue(Base):
-    """The claim's view of one company: when it has work due, and its virtual time.
+    """The claim's view of one company: when it has work due, and its place in the ring.
 
     Derived state, one row per company (created by a trigger on `companies`). `due_at` is a
     lower bound of the earliest `run_after` among the company's pending tasks (None: none);
     triggers on `tasks` lower it whenever a task becomes pending, and only the claimer
     raises it, under the company's wake-up lock (db/queue.py, `claim`). `ready` marks the
-    companies the claimer considers, in `vtime` order: start-time fair queueing's virtual
-    time, in tasks per unit of weight. Migration 0003 holds the triggers.
+    companies the claimer serves, in `ring_position` order (deficit round robin): a company
+    gets a position at the end of the ring each time it becomes ready. Migration 0003 holds
+    the triggers and the `company_ring_positions` sequence.
     """
 
     __tablename__ = "company_queues"
@@ -122,14 +123,13 @@ class CompanyQueue(Base):
     )
     due_at: Mapped[dt.datetime | None] = mapped_column(Timestamp)
     ready: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
-    vtime: Mapped[float] = mapped_column(Double, nullable=False, server_default=text("0"))
+    ring_position: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (
-        # The claim's contenders: ready companies, least virtual time first.
+        # The ring of ready companies, walked from the claim cursor.
         Index(
-            "ix_company_queues_ready_vtime",
-            "vtime",
-            "company_id",
+            "ix_company_queues_ring_position",
+            "ring_position",
             postgresql_where=text("ready"),
         ),
         # Companies waiting for their earliest task to come due (scheduled or backed off).
@@ -141,17 +141,20 @@ class CompanyQueue(Base):
     )
 
 
-class ClaimClock(Base):
-    """The fair queue's virtual clock: one row, the largest start tag claimed so far.
+class ClaimCursor(Base):
+    """Where the next claim continues the ring: one row.
 
-    A company that becomes ready again starts at `max(its vtime, virtual_time)`, so time
-    spent idle is never banked as credit (start-time fair queueing, Goyal et al. 1996).
+    `credit` is what the company at `ring_position` has left of its quantum (its weight)
+    when the last batch filled up in the middle of its turn; 0 means start after it.
     """
 
-    __tablename__ = "claim_clock"
+    __tablename__ = "claim_cursor"
 
     id: Mapped[bool] = mapped_column(Boolean, primary_key=True, server_default=text("true"))
-    virtual_time: Mapped[float] = mapped_column(Double, nullable=False, server_default=text("0"))
+    ring_position: Mapped[int] = mapped_column(
+        BigInteger, nullable=False, server_default=text("0")
+    )
+    credit: Mapped[int] = mapped_column(nullable=False, server_default=text("0"))
 
     __table_args__ = (CheckConstraint("id", name="single_row"),)
 

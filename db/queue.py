@@ -6,12 +6,14 @@ from the database clock (`now()`), never from Python.
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import psycopg
 from sqlalchemy import CursorResult, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
@@ -196,10 +198,12 @@ def retry_task(session: Session, company_id: uuid.UUID, task_id: uuid.UUID) -> T
 # Key of the transaction-scoped advisory lock that serializes claimers ("fairqcl" in ASCII).
 CLAIM_LOCK_KEY = 0x66_61_69_72_71_63_6C
 
-# First key of a company's wake-up lock, (namespace, hashtext(company_id)). Writers that make
-# a task pending hold it shared (the triggers of migration 0003, which spell the same number);
-# the claimer takes it exclusively before it marks a company as out of runnable work.
+# A company's wake-up lock: (namespace, hashtext(company_id) & (buckets - 1)). Writers that
+# make a task pending hold it shared (the triggers of migration 0003, which spell the same
+# numbers); the claimer takes it exclusively before it marks a company as out of runnable
+# work. Buckets bound the locks a statement over many companies takes.
 WAKE_LOCK_NAMESPACE = 0x66_71_77_6B
+WAKE_LOCK_BUCKETS = 64
 
 # `last_error` is for humans; a handler's error can be arbitrarily long.
 MAX_ERROR_CHARS = 2000
@@ -242,7 +246,7 @@ PROMOTE_LIMIT = 1000
 MAX_CLAIM_ROUNDS = 8
 
 
-_SERIALIZE_CLAIMERS = text(
+_SERIALIZE_CLAIMERS = (
     # pg_advisory_xact_lock: claimers queue here, one at a time, until the holder commits, so
     # two never compute the same candidates (SKIP LOCKED would leave both batches short) and
     # the in-flight counts a claim reads cannot change under it but downwards.
@@ -252,113 +256,122 @@ _SERIALIZE_CLAIMERS = text(
     # inserts that ANALYZE has not seen yet made a planner hash-join the whole backlog), so
     # every statement of the claim is pinned to nested loops over index scans.
     """
-    SELECT pg_advisory_xact_lock(:key),
+    SELECT pg_advisory_xact_lock(%(key)s),
            set_config('jit', 'off', true),
            set_config('enable_seqscan', 'off', true),
            set_config('enable_bitmapscan', 'off', true),
            set_config('enable_hashjoin', 'off', true),
            set_config('enable_mergejoin', 'off', true),
-           set_config('enable_sort', 'off', true)
+           set_config('enable_sort', 'off', true),
+           set_config('enable_incremental_sort', 'off', true)
     """
 )
 
-_CONTENDERS = text(
-    """
-WITH promoted AS (
+_CONTENDERS = """
+WITH cursor AS MATERIALIZED (
+    -- Where the last batch stopped; with credit left, that company's turn goes on.
+    SELECT k.ring_position + CASE WHEN k.credit > 0 THEN 0 ELSE 1 END AS start,
+           k.ring_position, k.credit
+    FROM claim_cursor k
+),
+promoted AS (
     -- Companies whose earliest task has come due (scheduled, backed off, or just created)
-    -- join the contenders. SKIP LOCKED: a row a writer is lowering right now is promoted
-    -- by the next claim, after that writer's commit.
+    -- join the ring at its end. SKIP LOCKED: a row a writer is lowering right now is
+    -- promoted by the next claim, after that writer's commit.
     UPDATE company_queues q
-    SET ready = true
+    SET ready = true, ring_position = nextval('company_ring_positions')
     FROM (
         SELECT w.company_id
         FROM company_queues w
         WHERE NOT w.ready AND w.due_at IS NOT NULL AND w.due_at <= now()
         ORDER BY w.due_at
-        LIMIT :promote_limit
+        LIMIT %(promote_limit)s
         FOR UPDATE SKIP LOCKED
     ) due
     WHERE q.company_id = due.company_id
-    RETURNING q.company_id, q.vtime
+    RETURNING q.company_id, q.ring_position
 ),
-queued AS (
-    -- Ready companies, least virtual time first: the index in order, merged with the ones
-    -- just promoted (this statement's snapshot does not see its own UPDATE).
-    SELECT u.company_id, u.vtime
-    FROM (
-        (SELECT r.company_id, r.vtime FROM company_queues r
-         WHERE r.ready AND NOT (r.company_id = ANY(CAST(:exclude AS uuid[])))
-         ORDER BY r.vtime, r.company_id)
-        UNION ALL
-        (SELECT p.company_id, p.vtime FROM promoted p ORDER BY p.vtime, p.company_id)
-    ) u
-    ORDER BY u.vtime, u.company_id
+ring AS (
+    -- The ring from the cursor: the rest of this lap, the companies just promoted (this
+    -- statement's snapshot does not see its own UPDATE), then the lap's start. Each part
+    -- is an index range in order, and the Append reads them one after the other only as
+    -- far as the LIMIT needs (a sort on lap would read the whole ring; `_contenders` puts
+    -- the rows in (lap, ring_position) order itself).
+    (SELECT r.company_id, r.ring_position, 1 AS lap
+     FROM company_queues r
+     WHERE r.ready AND r.ring_position >= (SELECT start FROM cursor)
+     ORDER BY r.ring_position)
+    UNION ALL
+    (SELECT p.company_id, p.ring_position, 2 AS lap FROM promoted p
+     ORDER BY p.ring_position)
+    UNION ALL
+    (SELECT r.company_id, r.ring_position, 3 AS lap
+     FROM company_queues r
+     WHERE r.ready AND r.ring_position < (SELECT start FROM cursor)
+     ORDER BY r.ring_position)
 )
-SELECT s.company_id, s.vtime, c.weight, h.headroom,
-       (SELECT k.virtual_time FROM claim_clock k) AS clock
-FROM queued s
+SELECT s.company_id, s.ring_position, s.lap, c.weight, h.headroom,
+       (SELECT cursor.ring_position FROM cursor) AS cursor_position,
+       (SELECT cursor.credit FROM cursor) AS cursor_credit
+FROM ring s
 JOIN companies c ON c.id = s.company_id
 CROSS JOIN LATERAL (
     -- How many more leases it may hold. Counted only for a company with a limit, and at
-    -- most max_in_flight index entries (ix_tasks_processing_company_locked_at).
-    SELECT CASE WHEN c.max_in_flight IS NULL THEN CAST(:batch_size AS int)
+    -- most max_in_flight index entries.
+    SELECT CASE WHEN c.max_in_flight IS NULL THEN CAST(%(batch_size)s AS int)
                 ELSE c.max_in_flight - (
                     SELECT count(*) FROM (
                         SELECT 1 FROM tasks t
                         WHERE t.company_id = s.company_id AND t.status = 'processing'
+                        -- The order of the company's own index (company_id, locked_at, id),
+                        -- which no other index gives without a sort: no plan reads other
+                        -- companies' leases, whatever the statistics say.
+                        ORDER BY t.locked_at, t.id
                         LIMIT c.max_in_flight
                     ) held)
            END AS headroom
 ) h
--- A company at its limit is passed over, not dropped: it stays ready for a later claim.
+-- A company at its limit is passed over, not dropped: it stays in the ring.
 WHERE h.headroom > 0
-LIMIT :batch_size
+  AND NOT (s.company_id = ANY(CAST(%(exclude)s AS uuid[])))
+LIMIT %(batch_size)s
 """
-)
 
-_CLAIM = text(
-    """
+_CLAIM = """
 WITH share AS (
-    -- What fair_share.allocate gave each company, with the virtual time it started from.
-    SELECT * FROM unnest(CAST(:company_ids AS uuid[]), CAST(:shares AS int[]),
-                         CAST(:vtimes AS float8[]), CAST(:weights AS int[]))
-           AS s(company_id, n, vtime, weight)
+    -- What fair_share.allocate gave each company, and its first turn's place in the batch.
+    SELECT * FROM unnest(CAST(%(company_ids)s AS uuid[]), CAST(%(shares)s AS int[]),
+                         CAST(%(turns)s AS int[]), CAST(%(weights)s AS int[]))
+           AS s(company_id, n, turn, weight)
 ),
-picked AS (
-    -- Each company's longest-waiting runnable tasks: a range scan of
+locked AS (
+    -- Each company's longest-waiting runnable tasks, locked: a range scan of
     -- ix_tasks_pending_company_run_after (company_id, run_after, id) WHERE status =
     -- 'pending' that stops after its share; rows scheduled or backed off into the future
     -- lie beyond now() and are never read. id breaks ties (a bulk insert shares one now()).
-    SELECT k.id, s.company_id, s.vtime + CAST(k.rank - 1 AS float8) / s.weight AS tag, k.run_after
+    -- SKIP LOCKED: a row another transaction holds (the API cancelling it) is passed over
+    -- and the scan goes on to the next. The quals are checked again on the row being locked:
+    -- if another transaction changed it after our snapshot, READ COMMITTED re-evaluates
+    -- them on the newest version (EvalPlanQual) and drops it instead of claiming it.
+    SELECT k.id, k.run_after, s.company_id, s.turn, s.weight
     FROM share s
     CROSS JOIN LATERAL (
-        SELECT t.id, t.run_after, row_number() OVER (ORDER BY t.run_after, t.id) AS rank
+        SELECT t.id, t.run_after
         FROM tasks t
         WHERE t.company_id = s.company_id
           AND t.status = 'pending'
           AND t.run_after <= now()
         ORDER BY t.run_after, t.id
         LIMIT s.n
+        FOR UPDATE OF t SKIP LOCKED
     ) k
-),
-locked AS (
-    SELECT t.id, p.tag, p.run_after
-    FROM picked p
-    JOIN tasks t ON t.id = p.id
-    -- Eligibility again, on the row being locked: if another transaction changed it after
-    -- our snapshot (the API cancelled it), READ COMMITTED re-checks these quals on the
-    -- newest version (EvalPlanQual) and drops the row instead of claiming it.
-    WHERE t.status = 'pending' AND t.run_after <= now()
-    -- OF t: lock task rows only. SKIP LOCKED: a row another transaction holds is not worth
-    -- waiting for; it is that transaction's to change.
-    FOR UPDATE OF t SKIP LOCKED
 ),
 claimed AS (
     UPDATE tasks t
     SET status = 'processing',
         attempts = t.attempts + 1,            -- crashes count too (poison pills)
         lease_token = gen_random_uuid(),      -- the fencing token of this attempt
-        locked_by = :worker_id,
+        locked_by = %(worker_id)s,
         -- statement_timestamp(), not now() (the transaction start, before the wait for the
         -- claimers' advisory lock): a lease must not start shortened by that wait.
         locked_at = statement_timestamp(),    -- lease start; refreshed by heartbeat
@@ -367,47 +380,40 @@ claimed AS (
     FROM locked l
     WHERE t.id = l.id
     RETURNING t.id, t.company_id, t.type, t.payload, t.attempts, t.max_attempts,
-              t.lease_token, t.created_at, l.tag, l.run_after
+              t.lease_token, t.created_at, l.turn, l.weight, l.run_after
 ),
-served AS (
-    SELECT company_id, count(*) AS n, max(tag) AS last_tag FROM claimed GROUP BY company_id
-),
-advanced AS (
-    -- Virtual time moves by what a company got, not by what it was offered.
-    UPDATE company_queues q
-    SET vtime = s.vtime + CAST(v.n AS float8) / s.weight
-    FROM served v JOIN share s ON s.company_id = v.company_id
-    WHERE q.company_id = v.company_id
-),
-ticked AS (
-    -- The clock is the largest start tag claimed so far.
-    UPDATE claim_clock
-    SET virtual_time = greatest(virtual_time, (SELECT max(last_tag) FROM served))
-    WHERE EXISTS (SELECT FROM served)
+moved AS (
+    UPDATE claim_cursor SET ring_position = %(cursor_position)s, credit = %(cursor_credit)s
 )
--- UPDATE ... RETURNING has no order; hand the batch out in fairness order.
+-- UPDATE ... RETURNING has no order; hand the batch out in the order round robin serves it:
+-- by round (a company's weight of tasks per round), then turn.
 SELECT id, company_id, type, payload, attempts, max_attempts, lease_token, created_at
 FROM claimed
-ORDER BY tag, run_after, id
+ORDER BY (row_number() OVER (PARTITION BY company_id ORDER BY run_after, id) - 1) / weight,
+         turn, run_after, id
 """
-)
 
-_TRY_WAKE_LOCKS = text(
-    """
+_TRY_WAKE_LOCKS = """
+WITH free AS MATERIALIZED (
+    -- Each bucket once, even when several short companies share it.
+    SELECT b.bucket
+    FROM (SELECT DISTINCT hashtext(c.company_id::text) & (CAST(%(buckets)s AS int) - 1) AS bucket
+          FROM unnest(CAST(%(company_ids)s AS uuid[])) AS c(company_id)) b
+    WHERE pg_try_advisory_xact_lock(%(namespace)s, b.bucket)
+)
 SELECT u.company_id
-FROM unnest(CAST(:company_ids AS uuid[])) AS u(company_id)
-WHERE pg_try_advisory_xact_lock(:namespace, hashtext(u.company_id::text))
+FROM unnest(CAST(%(company_ids)s AS uuid[])) AS u(company_id)
+JOIN free ON free.bucket = hashtext(u.company_id::text) & (CAST(%(buckets)s AS int) - 1)
 """
-)
 
-_SETTLE = text(
+_SETTLE = (
     # A new statement, so a new snapshot taken after the wake-up locks: it sees every task
     # committed by a writer that held the lock before us, and no writer holds it now.
     """
 UPDATE company_queues q
 SET due_at = d.due_at,
     ready = coalesce(d.due_at <= now(), false)
-FROM unnest(CAST(:company_ids AS uuid[])) AS u(company_id)
+FROM unnest(CAST(%(company_ids)s AS uuid[])) AS u(company_id)
 CROSS JOIN LATERAL (
     SELECT min(t.run_after) AS due_at
     FROM tasks t
@@ -432,85 +438,103 @@ def claim(
     the advisory lock taken here serializes every claimer until then.
 
     Work-conserving: fewer than `batch_size` only when no more runnable task is allowed (a
-    company at its `max_in_flight` holds back the rest of its work). Which tasks: each
-    company's share comes from `fair_share.allocate` over the ready companies with the least
-    virtual time (start-time fair queueing, weighted by `companies.weight`), and within a
-    company its longest-waiting tasks, by `run_after` ("eligible since"). A company that had
-    less runnable work than its share gives its slots to the others in a further round, and
-    is settled: its `company_queues` row is brought up to date under its wake-up lock.
+    company at its `max_in_flight` holds back the rest of its work). Which tasks: companies
+    take turns in ring order, each up to its `weight` tasks a turn (`fair_share.allocate`,
+    deficit round robin), and within a company its longest-waiting tasks, by `run_after`
+    ("eligible since"). A company that had less runnable work than its share gives its slots
+    to the others in a further round, and is settled: its `company_queues` row is brought up
+    to date under its wake-up lock.
 
     The cost depends on the batch size, not on how many companies exist or have work: at most
-    `batch_size` contenders are read from an index in virtual-time order, and each company's
-    tasks from an index range that stops after its share (docs/design.md, "The claim").
+    `batch_size` companies are read from the ring's index, and each company's tasks from an
+    index range that stops after its share (docs/design.md, "The claim").
     """
-    session.execute(_SERIALIZE_CLAIMERS, {"key": CLAIM_LOCK_KEY})
+    connection = _driver(session)
+    connection.execute(_SERIALIZE_CLAIMERS, {"key": CLAIM_LOCK_KEY})
     batch: list[ClaimedTask] = []
     exhausted: list[uuid.UUID] = []
     for _ in range(MAX_CLAIM_ROUNDS):
         wanted = batch_size - len(batch)
-        contenders = _contenders(session, wanted, exclude=exhausted)
+        contenders, credit = _contenders(connection, wanted, exclude=exhausted)
         if not contenders:
             break
-        shares = fair_share.allocate(contenders, wanted)
-        weights = {c.company_id: c for c in contenders}
-        ids = list(shares)
-        rows = session.execute(
+        allocation = fair_share.allocate(contenders, wanted, credit)
+        ids = list(allocation.shares)
+        weights = {c.company_id: c.weight for c in contenders}
+        rows = connection.execute(
             _CLAIM,
             {
                 "worker_id": worker_id,
                 "company_ids": ids,
-                "shares": [shares[i] for i in ids],
-                "vtimes": [weights[i].vtime for i in ids],
-                "weights": [weights[i].weight for i in ids],
+                "shares": [allocation.shares[i][0] for i in ids],
+                "turns": [allocation.shares[i][1] for i in ids],
+                "weights": [weights[i] for i in ids],
+                "cursor_position": allocation.cursor.ring_position,
+                "cursor_credit": allocation.cursor.credit,
             },
-        ).all()
-        got: dict[uuid.UUID, int] = {}
-        for row in rows:
-            got[row.company_id] = got.get(row.company_id, 0) + 1
-        batch.extend(ClaimedTask(*row) for row in rows)
-        short = [i for i in ids if got.get(i, 0) < shares[i]]
+        ).fetchall()
+        claimed = [ClaimedTask(*row) for row in rows]
+        batch.extend(claimed)
+        got = collections.Counter(task.company_id for task in claimed)
+        short = [i for i in ids if got[i] < allocation.shares[i][0]]
         if not short:
             break
         exhausted.extend(short)
         if len(batch) >= batch_size:
             break
     if exhausted:
-        _settle(session, exhausted)
+        _settle(connection, exhausted)
     return batch
 
 
+def _driver(session: Session) -> psycopg.Connection[Any]:
+    # The claim's statements go to psycopg directly, in the session's transaction: its rows
+    # need no ORM, and SQLAlchemy's per-statement work was a fifth of the claim's time.
+    driver = session.connection().connection.driver_connection
+    assert isinstance(driver, psycopg.Connection)
+    return driver
+
+
 def _contenders(
-    session: Session, wanted: int, *, exclude: Sequence[uuid.UUID]
-) -> list[fair_share.Contender]:
-    rows = session.execute(
+    connection: psycopg.Connection[Any], wanted: int, *, exclude: Sequence[uuid.UUID]
+) -> tuple[list[fair_share.Contender], int]:
+    """Ready companies in ring order from the cursor, and the first one's unused credit."""
+    rows = connection.execute(
         _CONTENDERS,
         {"batch_size": wanted, "promote_limit": PROMOTE_LIMIT, "exclude": list(exclude)},
-    ).all()
-    # Idle time is not banked: nobody starts behind the clock.
-    return [
-        fair_share.Contender(
-            company_id=row.company_id,
-            vtime=max(row.vtime, row.clock),
-            weight=row.weight,
-            headroom=min(row.headroom, wanted),
-        )
-        for row in rows
+    ).fetchall()
+    # (lap, ring_position): the order the statement's Append reads them in, made certain.
+    rows.sort(key=lambda row: (row[2], row[1]))
+    contenders = [
+        fair_share.Contender(company_id, ring_position, weight, min(headroom, wanted))
+        for company_id, ring_position, _, weight, headroom, _, _ in rows
     ]
+    # The interrupted turn goes on only if its company is still the first in line.
+    credit = 0
+    if rows and rows[0][1] == rows[0][5]:
+        credit = rows[0][6]
+    return contenders, credit
 
 
-def _settle(session: Session, company_ids: Sequence[uuid.UUID]) -> None:
+def _settle(connection: psycopg.Connection[Any], company_ids: Sequence[uuid.UUID]) -> None:
     """Bring `company_queues` of companies that ran short up to date, where safe.
 
     A company whose wake-up lock a writer holds (a task becoming pending in a transaction
     still open) is left ready: the next claim looks at it again.
     """
-    locked = list(
-        session.scalars(
-            _TRY_WAKE_LOCKS, {"company_ids": list(company_ids), "namespace": WAKE_LOCK_NAMESPACE}
+    locked = [
+        row[0]
+        for row in connection.execute(
+            _TRY_WAKE_LOCKS,
+            {
+                "company_ids": list(company_ids),
+                "namespace": WAKE_LOCK_NAMESPACE,
+                "buckets": WAKE_LOCK_BUCKETS,
+            },
         )
-    )
+    ]
     if locked:
-        session.execute(_SETTLE, {"company_ids": locked})
+        connection.execute(_SETTLE, {"company_ids": locked})
 
 
 @dataclass(frozen=True)
@@ -565,9 +589,7 @@ RETURNING t.id, t.company_id, t.type, t.attempts, e.locked_by, e.used_up
 )
 
 
-def expire_leases(
-    session: Session, *, stale_after: float, limit: int = 1000
-) -> list[ExpiredLease]:
+def expire_leases(session: Session, *, stale_after: float, limit: int = 1000) -> list[ExpiredLease]:
     """Take back up to `limit` leases not heartbeated for `stale_after` seconds; return them.
 
     A task with attempts left becomes `pending` (attempts stay counted: crashes count);

@@ -3,8 +3,9 @@
 - `companies.weight` (1..1000, default 1) and `companies.max_in_flight` (1..100000 or NULL).
 - `company_queues`: one row per company, the claim's view of it (`db.models.CompanyQueue`):
   `due_at`, a lower bound of its earliest pending `run_after`; `ready`, whether the claimer
-  considers it; `vtime`, its virtual time. Backfilled here from the pending rows.
-- `claim_clock`: the one-row virtual clock.
+  serves it; `ring_position`, its place in the deficit-round-robin ring (from the sequence
+  `company_ring_positions`). Backfilled here from the pending rows.
+- `claim_cursor`: the one row saying where the next claim continues the ring.
 - Triggers keep `company_queues` true whatever writes `tasks` (the API, workers, an older
   release during a rolling deploy, an operator's SQL):
   * AFTER INSERT ON companies: the company's `company_queues` row.
@@ -42,9 +43,12 @@ down_revision: str | None = "0002"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# The first key of a company's wake-up lock, pg_advisory_xact_lock(namespace, hashtext(id)):
-# "fqwk" in ASCII. db/queue.py WAKE_LOCK_NAMESPACE must stay equal (tests/test_fair_claim.py).
+# A company's wake-up lock is pg_advisory_xact_lock(namespace, hashtext(id) & 63): "fqwk" in
+# ASCII, and one of 64 buckets, so a statement that touches 20,000 companies takes at most 64
+# locks. db/queue.py WAKE_LOCK_NAMESPACE and WAKE_LOCK_BUCKETS must stay equal
+# (tests/test_fair_claim.py).
 WAKE_LOCK_NAMESPACE = 0x66_71_77_6B
+_BUCKET = "hashtext({}::text) & 63"
 
 _NOTE_PENDING_INSERT = f"""
 CREATE FUNCTION fairq_note_pending_inserted() RETURNS trigger
@@ -52,8 +56,9 @@ LANGUAGE plpgsql AS $$
 BEGIN
     -- Shared lock first, then the check: the claimer raises due_at only while holding the
     -- lock exclusively, so it either sees this transaction's tasks or waits it out.
-    PERFORM pg_advisory_xact_lock_shared({WAKE_LOCK_NAMESPACE}, hashtext(n.company_id::text))
-    FROM (SELECT DISTINCT company_id FROM new_tasks WHERE status = 'pending') n;
+    PERFORM pg_advisory_xact_lock_shared({WAKE_LOCK_NAMESPACE}, n.bucket)
+    FROM (SELECT DISTINCT {_BUCKET.format("company_id")} AS bucket
+          FROM new_tasks WHERE status = 'pending') n;
     UPDATE company_queues q
     SET due_at = n.due_at
     FROM (SELECT company_id, min(run_after) AS due_at
@@ -69,7 +74,7 @@ _NOTE_PENDING_UPDATE = f"""
 CREATE FUNCTION fairq_note_pending_updated() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM pg_advisory_xact_lock_shared({WAKE_LOCK_NAMESPACE}, hashtext(NEW.company_id::text));
+    PERFORM pg_advisory_xact_lock_shared({WAKE_LOCK_NAMESPACE}, {_BUCKET.format("NEW.company_id")});
     UPDATE company_queues q
     SET due_at = NEW.run_after
     WHERE q.company_id = NEW.company_id
@@ -103,12 +108,13 @@ def upgrade() -> None:
         "companies",
         "max_in_flight BETWEEN 1 AND 100000",
     )
+    op.execute("CREATE SEQUENCE company_ring_positions AS bigint")
     op.create_table(
         "company_queues",
         sa.Column("company_id", sa.UUID(), nullable=False),
         sa.Column("due_at", postgresql.TIMESTAMP(timezone=True), nullable=True),
         sa.Column("ready", sa.Boolean(), server_default=sa.text("false"), nullable=False),
-        sa.Column("vtime", sa.Double(), server_default=sa.text("0"), nullable=False),
+        sa.Column("ring_position", sa.BigInteger(), nullable=True),
         sa.ForeignKeyConstraint(
             ["company_id"],
             ["companies.id"],
@@ -118,9 +124,9 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("company_id", name=op.f("pk_company_queues")),
     )
     op.create_index(
-        "ix_company_queues_ready_vtime",
+        "ix_company_queues_ring_position",
         "company_queues",
-        ["vtime", "company_id"],
+        ["ring_position"],
         postgresql_where=sa.text("ready"),
     )
     op.create_index(
@@ -130,13 +136,14 @@ def upgrade() -> None:
         postgresql_where=sa.text("NOT ready AND due_at IS NOT NULL"),
     )
     op.create_table(
-        "claim_clock",
+        "claim_cursor",
         sa.Column("id", sa.Boolean(), server_default=sa.text("true"), nullable=False),
-        sa.Column("virtual_time", sa.Double(), server_default=sa.text("0"), nullable=False),
-        sa.CheckConstraint("id", name=op.f("ck_claim_clock_single_row")),
-        sa.PrimaryKeyConstraint("id", name=op.f("pk_claim_clock")),
+        sa.Column("ring_position", sa.BigInteger(), server_default=sa.text("0"), nullable=False),
+        sa.Column("credit", sa.Integer(), server_default=sa.text("0"), nullable=False),
+        sa.CheckConstraint("id", name=op.f("ck_claim_cursor_single_row")),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_claim_cursor")),
     )
-    op.execute("INSERT INTO claim_clock DEFAULT VALUES")
+    op.execute("INSERT INTO claim_cursor DEFAULT VALUES")
     op.execute(_ADD_COMPANY_QUEUE)
     op.execute(_NOTE_PENDING_INSERT)
     op.execute(_NOTE_PENDING_UPDATE)
@@ -177,10 +184,11 @@ def downgrade() -> None:
     op.execute("DROP FUNCTION fairq_note_pending_updated()")
     op.execute("DROP FUNCTION fairq_note_pending_inserted()")
     op.execute("DROP FUNCTION fairq_add_company_queue()")
-    op.drop_table("claim_clock")
+    op.drop_table("claim_cursor")
     op.drop_index("ix_company_queues_waiting_due_at", table_name="company_queues")
-    op.drop_index("ix_company_queues_ready_vtime", table_name="company_queues")
+    op.drop_index("ix_company_queues_ring_position", table_name="company_queues")
     op.drop_table("company_queues")
+    op.execute("DROP SEQUENCE company_ring_positions")
     op.drop_constraint(op.f("ck_companies_max_in_flight_range"), "companies", type_="check")
     op.drop_constraint(op.f("ck_companies_weight_range"), "companies", type_="check")
     op.drop_column("companies", "max_in_flight")
