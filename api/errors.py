@@ -24,6 +24,21 @@ _CONSTRAINT_STATUS: dict[str, tuple[int, str]] = {
     models.CK_TASK_PAYLOAD_OBJECT: (422, "payload must be a JSON object"),
 }
 
+# Constraint name -> (request field, why) for CHECKs that back a field's validation: a 422
+# naming the field, in the shape of a validation error, should a write ever get past it.
+_CONSTRAINT_FIELD: dict[str, tuple[str, str]] = {
+    models.CK_COMPANY_WEIGHT: (
+        "weight",
+        f"Must be greater than or equal to {models.MIN_WEIGHT} "
+        f"and less than or equal to {models.MAX_WEIGHT}.",
+    ),
+    models.CK_COMPANY_MAX_IN_FLIGHT: (
+        "max_in_flight",
+        f"Must be greater than or equal to {models.MIN_IN_FLIGHT} "
+        f"and less than or equal to {models.MAX_IN_FLIGHT}.",
+    ),
+}
+
 # status -> (domain error type) for the errors `db` raises on purpose.
 _DOMAIN_STATUS: tuple[tuple[type[db_errors.DomainError], int], ...] = (
     (db_errors.NotFound, 404),
@@ -122,6 +137,11 @@ def register(app: Flask) -> None:
         # gap in validation: the client's request, not a server fault. Named by constraint.
         app.logger.warning("integrity error reached the API boundary: %s", brief_db_error(error))
         constraint = getattr(getattr(error.orig, "diag", None), "constraint_name", None)
+        if constraint in _CONSTRAINT_FIELD:
+            field, why = _CONSTRAINT_FIELD[constraint]
+            errors = {"json": {field: [why]}}
+            body = error_body(422, _status_name(422), validation_message(errors), errors=errors)
+            return body, 422
         code, message = _CONSTRAINT_STATUS.get(
             constraint or "", (409, "the request conflicts with stored data")
         )

@@ -110,6 +110,14 @@ def json_of(response: TestResponse) -> dict[str, Any]:
     return data
 
 
+def company_limits(session: Session, company_id: uuid.UUID) -> tuple[int, int | None]:
+    """`(weight, max_in_flight)` as stored for `company_id`, read past the session's cache."""
+    row = session.execute(
+        text("SELECT weight, max_in_flight FROM companies WHERE id = :id"), {"id": company_id}
+    ).one()
+    return row.weight, row.max_in_flight
+
+
 def count_tasks(session: Session, company_id: uuid.UUID) -> int:
     """How many task rows `company_id` has (what a failed request must leave unchanged)."""
     stmt = select(func.count()).select_from(Task).where(Task.company_id == company_id)

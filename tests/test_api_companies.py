@@ -1,19 +1,28 @@
-"""The company endpoints: the admin creates tenants, a tenant reads itself (DESIGN §2, §3)."""
+"""The company endpoints: the admin creates tenants and sets their limits, a tenant reads itself
+(DESIGN §2, §3)."""
 
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
 import uuid
+from collections.abc import Iterator
+from http import HTTPStatus
+from typing import Any
 
 import pytest
+from flask import Flask
 from flask.testing import FlaskClient
 from sqlalchemy import text
 from sqlalchemy.orm import Session
+from werkzeug.test import TestResponse
 
 from api import database
-from tests.conftest import make_test_app
-from tests.factories import MakeCompany, json_of
+from api.companies.schemas import CompanyLimitsSchema
+from db import companies, models
+from db import errors as db_errors
+from tests.conftest import ADMIN_TOKEN, make_test_app
+from tests.factories import MakeCompany, company_limits, json_of
 
 
 def test_admin_creates_a_company_and_gets_its_api_key_once(
@@ -23,7 +32,7 @@ def test_admin_creates_a_company_and_gets_its_api_key_once(
 
     assert response.status_code == 201
     company = json_of(response)
-    assert set(company) == {"id", "name", "created_at", "api_key"}
+    assert set(company) == {"id", "name", "created_at", "weight", "max_in_flight", "api_key"}
     uuid.UUID(company["id"])
     assert company["name"] == "Acme"
     assert dt.datetime.fromisoformat(company["created_at"]).tzinfo is not None
@@ -144,7 +153,7 @@ def test_company_key_reads_its_company_without_the_api_key(
 
     assert response.status_code == 200
     body = json_of(response)
-    assert set(body) == {"id", "name", "created_at"}
+    assert set(body) == {"id", "name", "created_at", "weight", "max_in_flight"}
     assert (body["id"], body["name"]) == (str(company.id), "Acme")
     assert company.api_key not in response.get_data(as_text=True)
 
@@ -234,3 +243,465 @@ def test_blank_or_multiline_company_name_is_422_naming_the_field(
     assert response.status_code == 422
     assert json_of(response)["errors"]["json"]["name"]
     assert db_session.scalar(text("SELECT count(*) FROM companies")) == before
+
+
+# --- weight and max_in_flight ----------------------------------------------------------------
+
+JSON = "application/json"
+
+
+def patch_company(
+    client: FlaskClient,
+    company_id: object,
+    body: object,
+    headers: dict[str, str],
+) -> TestResponse:
+    """PATCH `body` (sent as JSON) to one company."""
+    return client.patch(f"/companies/{company_id}", json=body, headers=headers)
+
+
+def assert_error_naming(response: TestResponse, status: int, field: str) -> dict[str, Any]:
+    """Assert an error body for `status` whose message and `errors.json` name `field`."""
+    assert response.status_code == status, response.get_data(as_text=True)[:500]
+    body = json_of(response)
+    assert body["code"] == status
+    assert body["status"] == HTTPStatus(status).phrase
+    assert field in body["message"], body["message"]
+    assert body["errors"]["json"][field]
+    return body
+
+
+def test_created_company_has_weight_1_and_no_in_flight_limit_by_default(
+    client: FlaskClient, admin_headers: dict[str, str], db_session: Session
+) -> None:
+    response = client.post("/companies", json={"name": "Acme"}, headers=admin_headers)
+
+    assert response.status_code == 201
+    created = json_of(response)
+    assert (created["weight"], created["max_in_flight"]) == (1, None)
+    assert company_limits(db_session, uuid.UUID(created["id"])) == (1, None)
+
+
+@pytest.mark.parametrize(
+    ("limits", "expected"),
+    [
+        ({"weight": 7, "max_in_flight": 3}, (7, 3)),
+        ({"weight": 1000}, (1000, None)),
+        ({"max_in_flight": 100_000}, (1, 100_000)),
+        ({"weight": 1, "max_in_flight": 1}, (1, 1)),
+        ({"max_in_flight": None}, (1, None)),
+    ],
+    ids=["both", "weight-max", "in-flight-max", "minimums", "in-flight-null"],
+)
+def test_create_company_with_limits_stores_and_shows_them(
+    client: FlaskClient,
+    admin_headers: dict[str, str],
+    db_session: Session,
+    limits: dict[str, object],
+    expected: tuple[int, int | None],
+) -> None:
+    response = client.post("/companies", json={"name": "Acme", **limits}, headers=admin_headers)
+
+    assert response.status_code == 201, response.get_data(as_text=True)[:300]
+    created = json_of(response)
+    assert (created["weight"], created["max_in_flight"]) == expected
+    assert company_limits(db_session, uuid.UUID(created["id"])) == expected
+    shown = json_of(client.get(f"/companies/{created['id']}", headers=admin_headers))
+    assert (shown["weight"], shown["max_in_flight"]) == expected
+
+
+# Values no limit accepts: a 422 naming the field. `2.0` is a JSON float, not an integer.
+BAD_WEIGHTS = [True, False, 2.0, 2.5, "2", "", [2], {"v": 2}, 0, -1, 1001, 10**20, None]
+BAD_WEIGHT_IDS = [
+    "true", "false", "float-2.0", "float", "string", "empty-string", "list", "object",
+    "zero", "negative", "1001", "huge", "null",
+]  # fmt: skip
+BAD_IN_FLIGHTS = [True, 2.0, "5", [5], 0, -3, 100_001, 10**20]
+BAD_IN_FLIGHT_IDS = ["true", "float-2.0", "string", "list", "zero", "negative", "100001", "huge"]
+
+
+@pytest.mark.parametrize("weight", BAD_WEIGHTS, ids=BAD_WEIGHT_IDS)
+def test_create_company_with_a_bad_weight_is_422_naming_it_and_nothing_is_stored(
+    client: FlaskClient, admin_headers: dict[str, str], db_session: Session, weight: object
+) -> None:
+    before = db_session.execute(text("SELECT count(*) FROM companies")).scalar_one()
+
+    response = client.post(
+        "/companies", json={"name": "A", "weight": weight}, headers=admin_headers
+    )
+
+    assert_error_naming(response, 422, "weight")
+    assert db_session.execute(text("SELECT count(*) FROM companies")).scalar_one() == before
+
+
+@pytest.mark.parametrize("max_in_flight", BAD_IN_FLIGHTS, ids=BAD_IN_FLIGHT_IDS)
+def test_create_company_with_a_bad_max_in_flight_is_422_naming_it_and_nothing_is_stored(
+    client: FlaskClient, admin_headers: dict[str, str], db_session: Session, max_in_flight: object
+) -> None:
+    before = db_session.execute(text("SELECT count(*) FROM companies")).scalar_one()
+
+    response = client.post(
+        "/companies", json={"name": "A", "max_in_flight": max_in_flight}, headers=admin_headers
+    )
+
+    assert_error_naming(response, 422, "max_in_flight")
+    assert db_session.execute(text("SELECT count(*) FROM companies")).scalar_one() == before
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"weight": 5}, (5, 40)),
+        ({"max_in_flight": 2}, (3, 2)),
+        ({"max_in_flight": None}, (3, None)),
+        ({"weight": 1000, "max_in_flight": 100_000}, (1000, 100_000)),
+        ({"weight": 1, "max_in_flight": 1}, (1, 1)),
+        ({"weight": 3, "max_in_flight": 40}, (3, 40)),
+    ],
+    ids=["weight-only", "in-flight-only", "in-flight-null", "both-max", "both-min", "same"],
+)
+def test_admin_patch_sets_the_given_limits_and_keeps_the_other(
+    client: FlaskClient,
+    admin_headers: dict[str, str],
+    db_session: Session,
+    make_company: MakeCompany,
+    *,
+    body: dict[str, object],
+    expected: tuple[int, int | None],
+) -> None:
+    company, bystander = make_company("target"), make_company("bystander")
+    first = patch_company(client, company.id, {"weight": 3, "max_in_flight": 40}, admin_headers)
+    assert first.status_code == 200, first.get_data(as_text=True)[:300]
+
+    response = patch_company(client, company.id, body, admin_headers)
+
+    assert response.status_code == 200, response.get_data(as_text=True)[:300]
+    shown = json_of(response)
+    assert set(shown) == {"id", "name", "created_at", "weight", "max_in_flight"}
+    assert (shown["id"], shown["name"]) == (str(company.id), "target")
+    assert (shown["weight"], shown["max_in_flight"]) == expected
+    assert company_limits(db_session, company.id) == expected
+    assert company_limits(db_session, bystander.id) == (1, None)
+
+
+def test_patched_limits_are_visible_in_get_to_the_company_and_the_admin(
+    client: FlaskClient, admin_headers: dict[str, str], make_company: MakeCompany
+) -> None:
+    company = make_company()
+
+    patched = patch_company(client, company.id, {"weight": 9, "max_in_flight": 4}, admin_headers)
+
+    assert patched.status_code == 200
+    for headers in (company.headers, admin_headers):
+        shown = json_of(client.get(f"/companies/{company.id}", headers=headers))
+        assert (shown["weight"], shown["max_in_flight"]) == (9, 4)
+
+
+@pytest.mark.parametrize("weight", BAD_WEIGHTS, ids=BAD_WEIGHT_IDS)
+def test_patch_with_a_bad_weight_is_422_naming_it_and_changes_nothing(
+    client: FlaskClient,
+    admin_headers: dict[str, str],
+    db_session: Session,
+    make_company: MakeCompany,
+    weight: object,
+) -> None:
+    company = make_company()
+
+    response = patch_company(
+        client, company.id, {"weight": weight, "max_in_flight": 5}, admin_headers
+    )
+
+    assert_error_naming(response, 422, "weight")
+    assert company_limits(db_session, company.id) == (1, None)
+
+
+@pytest.mark.parametrize("max_in_flight", BAD_IN_FLIGHTS, ids=BAD_IN_FLIGHT_IDS)
+def test_patch_with_a_bad_max_in_flight_is_422_naming_it_and_changes_nothing(
+    client: FlaskClient,
+    admin_headers: dict[str, str],
+    db_session: Session,
+    make_company: MakeCompany,
+    max_in_flight: object,
+) -> None:
+    company = make_company()
+
+    response = patch_company(
+        client, company.id, {"weight": 5, "max_in_flight": max_in_flight}, admin_headers
+    )
+
+    assert_error_naming(response, 422, "max_in_flight")
+    assert company_limits(db_session, company.id) == (1, None)
+
+
+@pytest.mark.parametrize("field", ["name", "api_key", "id", "created_at", "priority"])
+def test_patch_with_another_field_is_422_naming_it_and_changes_nothing(
+    client: FlaskClient,
+    admin_headers: dict[str, str],
+    db_session: Session,
+    make_company: MakeCompany,
+    field: str,
+) -> None:
+    company = make_company("before")
+
+    response = patch_company(client, company.id, {"weight": 5, field: "x"}, admin_headers)
+
+    body = assert_error_naming(response, 422, field)
+    assert body["errors"]["json"][field] == ["Unknown field."]
+    assert company_limits(db_session, company.id) == (1, None)
+    assert (
+        json_of(client.get(f"/companies/{company.id}", headers=admin_headers))["name"] == "before"
+    )
+
+
+@pytest.mark.parametrize(
+    "send",
+    [
+        {"json": {}},
+        {"data": "{}", "content_type": JSON},
+        {},
+    ],
+    ids=["empty-object", "empty-object-raw", "no-body-at-all"],
+)
+def test_patch_without_any_limit_is_422_saying_to_send_one(
+    client: FlaskClient,
+    admin_headers: dict[str, str],
+    make_company: MakeCompany,
+    send: dict[str, Any],
+) -> None:
+    company = make_company()
+
+    response = client.patch(f"/companies/{company.id}", headers=admin_headers, **send)
+
+    assert response.status_code == 422, response.get_data(as_text=True)[:300]
+    body = json_of(response)
+    assert body["code"] == 422
+    assert "at least one of: weight, max_in_flight" in body["message"]
+    assert body["errors"]["json"]["_schema"] == ["send at least one of: weight, max_in_flight"]
+
+
+@pytest.mark.parametrize(
+    "data", ["null", "[]", '"weight"', "5"], ids=["null", "array", "string", "number"]
+)
+def test_patch_body_that_is_not_an_object_is_422(
+    client: FlaskClient,
+    admin_headers: dict[str, str],
+    db_session: Session,
+    make_company: MakeCompany,
+    data: str,
+) -> None:
+    company = make_company()
+
+    response = client.patch(
+        f"/companies/{company.id}", data=data, content_type=JSON, headers=admin_headers
+    )
+
+    assert response.status_code == 422
+    assert json_of(response)["errors"]["json"]
+    assert company_limits(db_session, company.id) == (1, None)
+
+
+@pytest.mark.parametrize(
+    ("data", "content_type", "status"),
+    [
+        ('{"weight": ', JSON, 400),
+        ('{"weight": 2,}', JSON, 400),
+        ('{"weight": 2, "weight": 3}', JSON, 400),
+        ('{"weight": NaN}', JSON, 400),
+        ('{"weight": 1e400}', JSON, 400),
+        ('{"weight": 2}', "text/plain", 415),
+        ('{"weight": 2}', "application/x-www-form-urlencoded", 415),
+        ('{"weight": 2}', f"{JSON}; charset=latin-1", 415),
+    ],
+    ids=[
+        "cut", "trailing-comma", "duplicate-key", "nan", "beyond-a-double",
+        "text-plain", "form", "latin-1",
+    ],
+)  # fmt: skip
+def test_malformed_or_non_json_patch_body_is_4xx_and_changes_nothing(
+    client: FlaskClient,
+    admin_headers: dict[str, str],
+    db_session: Session,
+    make_company: MakeCompany,
+    *,
+    data: str,
+    content_type: str,
+    status: int,
+) -> None:
+    company = make_company()
+
+    response = client.patch(
+        f"/companies/{company.id}", data=data, content_type=content_type, headers=admin_headers
+    )
+
+    assert response.status_code == status, response.get_data(as_text=True)[:300]
+    body = json_of(response)
+    assert body["code"] == status
+    assert body["message"]
+    assert company_limits(db_session, company.id) == (1, None)
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [None, "Bearer not-the-admin-token", f"Bearer {ADMIN_TOKEN}x", "Basic dXNlcjpwYXNz"],
+    ids=["missing", "wrong", "admin-token-plus-one", "basic"],
+)
+def test_patch_without_the_admin_token_is_401_and_changes_nothing(
+    client: FlaskClient,
+    db_session: Session,
+    make_company: MakeCompany,
+    authorization: str | None,
+) -> None:
+    company = make_company()
+    headers = {} if authorization is None else {"Authorization": authorization}
+
+    response = patch_company(client, company.id, {"weight": 5}, headers)
+
+    assert response.status_code == 401
+    assert response.headers["WWW-Authenticate"].startswith("Bearer")
+    assert json_of(response)["code"] == 401
+    assert company_limits(db_session, company.id) == (1, None)
+
+
+def test_unauthenticated_patch_is_401_before_any_validation(
+    client: FlaskClient, make_company: MakeCompany
+) -> None:
+    company = make_company()
+
+    response = client.patch(f"/companies/{company.id}", data="{", content_type=JSON)
+
+    assert response.status_code == 401
+    assert json_of(response)["code"] == 401
+
+
+def test_a_company_key_cannot_patch_even_its_own_company(
+    client: FlaskClient, make_company: MakeCompany, db_session: Session
+) -> None:
+    company, other = make_company("self"), make_company("other")
+    # The answer an admin-only endpoint gives a company key: POST /companies.
+    create = client.post("/companies", json={"name": "x"}, headers=company.headers)
+
+    for target in (company, other):
+        response = patch_company(client, target.id, {"weight": 1000}, company.headers)
+
+        assert response.status_code == 401
+        assert json_of(response) == json_of(create)
+        assert company_limits(db_session, target.id) == (1, None)
+
+
+def test_patch_of_an_unknown_company_is_404(
+    client: FlaskClient, admin_headers: dict[str, str]
+) -> None:
+    response = patch_company(client, uuid.uuid4(), {"weight": 2}, admin_headers)
+
+    assert response.status_code == 404
+    assert json_of(response)["message"] == "company not found"
+
+
+@pytest.mark.parametrize("company_id", ["not-a-uuid", "12345", "acme"])
+def test_patch_of_a_company_id_that_is_not_a_uuid_is_a_json_404(
+    client: FlaskClient, admin_headers: dict[str, str], company_id: str
+) -> None:
+    response = patch_company(client, company_id, {"weight": 2}, admin_headers)
+
+    assert response.status_code == 404
+    assert json_of(response)["code"] == 404
+
+
+def test_patch_without_admin_token_configured_is_503_saying_so(main_db_url: str) -> None:
+    app = make_test_app(main_db_url, admin_token=None)
+    try:
+        response = app.test_client().patch(
+            f"/companies/{uuid.uuid4()}",
+            json={"weight": 2},
+            headers={"Authorization": "Bearer anything-at-all-here"},
+        )
+    finally:
+        with app.app_context():
+            database.engine().dispose()
+
+    assert response.status_code == 503
+    assert "ADMIN_TOKEN" in json_of(response)["message"]
+
+
+def test_update_company_limits_is_one_statement_raising_not_found(db_session: Session) -> None:
+    with pytest.raises(db_errors.NotFound):
+        companies.update_company_limits(db_session, uuid.uuid4(), weight=2)
+    with pytest.raises(ValueError, match="weight or max_in_flight"):
+        companies.update_company_limits(db_session, uuid.uuid4())
+
+
+# --- The database's CHECKs behind the schema -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def check_app(main_db_url: str) -> Iterator[Flask]:
+    """An app with a route writing limits past validation, straight into the CHECKs.
+
+    The write is never committed: the request's session is closed (rolled back) at teardown.
+    """
+    app = make_test_app(main_db_url)
+    app.config["TESTING"] = False  # let error handlers run as in production
+
+    @app.post("/unchecked/<field>/<int(signed=True):value>")
+    def unchecked(field: str, value: int) -> str:
+        session = database.session()
+        company = companies.create_company(session, name="unchecked", api_key_hash="x")
+        companies.update_company_limits(session, company.id, **{field: value})
+        raise AssertionError("the CHECK constraint let the value through")
+
+    yield app
+    database.engine_of(app).dispose()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("weight", 0), ("weight", 1001), ("max_in_flight", 0), ("max_in_flight", 100_001)],
+)
+def test_check_violation_of_a_limit_is_a_422_naming_the_field_not_a_500(
+    check_app: Flask, field: str, value: int
+) -> None:
+    response = check_app.test_client().post(f"/unchecked/{field}/{value}")
+
+    body = assert_error_naming(response, 422, field)
+    assert "Must be greater than or equal to" in body["errors"]["json"][field][0]
+    assert "violates" not in body["message"]  # the driver's text stays in the log
+
+
+def test_schema_bounds_are_the_check_constraints_bounds() -> None:
+    assert (models.MIN_WEIGHT, models.MAX_WEIGHT) == (1, 1000)
+    assert (models.MIN_IN_FLIGHT, models.MAX_IN_FLIGHT) == (1, 100_000)
+    limits = CompanyLimitsSchema()
+    for field, low, high in (
+        ("weight", models.MIN_WEIGHT, models.MAX_WEIGHT),
+        ("max_in_flight", models.MIN_IN_FLIGHT, models.MAX_IN_FLIGHT),
+    ):
+        assert limits.validate({field: low}) == {}
+        assert limits.validate({field: high}) == {}
+        assert field in limits.validate({field: low - 1})
+        assert field in limits.validate({field: high + 1})
+
+
+# --- OpenAPI ---------------------------------------------------------------------------------
+
+
+def test_patch_is_documented_with_every_status_and_described_fields(client: FlaskClient) -> None:
+    spec = json_of(client.get("/openapi.json"))
+    operation = spec["paths"]["/companies/{company_id}"]["patch"]
+
+    assert "admin only" in operation["summary"]
+    responses = operation["responses"]
+    assert {"200", "400", "401", "404", "413", "415", "422", "503"} <= set(responses)
+    for code in ("400", "401", "404", "413", "415", "503"):
+        assert responses[code]["description"], code
+    assert "company" in responses["401"]["description"]
+    schemas = spec["components"]["schemas"]
+    limits = schemas["CompanyLimits"]["properties"]
+    assert set(limits) == {"weight", "max_in_flight"}
+    assert (limits["weight"]["minimum"], limits["weight"]["maximum"]) == (1, 1000)
+    assert (limits["max_in_flight"]["minimum"], limits["max_in_flight"]["maximum"]) == (1, 100_000)
+    assert limits["max_in_flight"]["nullable"] is True
+    assert limits["weight"].get("nullable") is not True
+    for name in ("CompanyLimits", "CompanyCreate", "Company"):
+        for field in ("weight", "max_in_flight"):
+            assert schemas[name]["properties"][field]["description"], (name, field)
+    assert "at least one" in operation["requestBody"]["description"].lower()

@@ -345,6 +345,8 @@ def test_max_attempts_outside_1_to_50_or_not_an_integer_is_422(
     ("method", "path"),
     [
         ("GET", "/companies/not-a-uuid"),
+        ("PATCH", "/companies/not-a-uuid"),
+        ("PATCH", "/companies/12345"),
         ("GET", "/companies/not-a-uuid/tasks"),
         ("POST", "/companies/not-a-uuid/tasks"),
         ("GET", "/companies/{company}/tasks/not-a-uuid"),

@@ -112,13 +112,19 @@ def _operation(label: str) -> tuple[Any, dict[str, Any]]:
 
 
 def _tokens(world: World, path: str, raw: dict[str, Any]) -> list[str | None]:
-    """Tokens to send, the right one most often: also a wrong, an absent and a foreign one."""
+    """Tokens to send, the right one most often: also a wrong, an absent and a foreign one.
+
+    The right one is the admin token on admin-only operations (their summary says so, as on
+    PATCH /companies/{company_id}), else the company's key on a company's path.
+    """
     if raw.get("security") == []:  # public
         return [None, None, "not-a-token"]
     wrong = [None, "not-a-token"]
-    if "{company_id}" in path:
-        return [world.me.api_key] * 6 + [world.other.api_key, ADMIN_TOKEN, *wrong]
-    return [ADMIN_TOKEN] * 6 + [world.me.api_key, *wrong]
+    if "{company_id}" not in path:
+        return [ADMIN_TOKEN] * 6 + [world.me.api_key, *wrong]
+    if "(admin only)" in raw.get("summary", ""):
+        return [ADMIN_TOKEN] * 6 + [world.me.api_key, world.other.api_key, *wrong]
+    return [world.me.api_key] * 6 + [world.other.api_key, ADMIN_TOKEN, *wrong]
 
 
 def _documented_statuses(raw: dict[str, Any]) -> set[int]:

@@ -34,7 +34,14 @@ from db.engine import make_engine
 from db.models import Company
 from tests import pg
 from tests.conftest import ADMIN_TOKEN
-from tests.factories import CompanyWithKey, MakeCompany, count_tasks, insert_company, json_of
+from tests.factories import (
+    CompanyWithKey,
+    MakeCompany,
+    company_limits,
+    count_tasks,
+    insert_company,
+    json_of,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 JSON = "application/json"
@@ -224,6 +231,119 @@ def test_duplicate_key_in_a_company_create_is_400(
 
     assert_error(response, 400, "duplicate key 'name'")
     assert companies(db_session) == before
+
+
+# --- Company limits: weight and max_in_flight ------------------------------------------------
+
+
+def send_company(
+    client: FlaskClient,
+    method: str,
+    company: CompanyWithKey,
+    admin_headers: dict[str, str],
+    body: str | bytes,
+) -> TestResponse:
+    """Send raw JSON `body` as the admin: a create (POST /companies) or a PATCH of `company`."""
+    path = "/companies" if method == "POST" else f"/companies/{company.id}"
+    headers = {**admin_headers, "Content-Type": JSON}
+    return client.open(path, method=method, data=body, headers=headers)
+
+
+def limits_unchanged(session: Session, company: CompanyWithKey, before: int) -> bool:
+    """True when no company was added and `company` still has the default limits."""
+    return companies(session) == before and company_limits(session, company.id) == (1, None)
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["2.0", "1e2", "-0.0", "false", str(10**20), "-" + str(10**20), '"5"', '" 5"', "[5]", "{}"],
+)
+@pytest.mark.parametrize("field", ["weight", "max_in_flight"])
+@pytest.mark.parametrize("method", ["POST", "PATCH"])
+def test_company_limit_that_is_no_integer_in_range_is_422_naming_it(
+    client: FlaskClient,
+    company: CompanyWithKey,
+    admin_headers: dict[str, str],
+    db_session: Session,
+    *,
+    method: str,
+    field: str,
+    value: str,
+) -> None:
+    before = companies(db_session)
+    name = '"name": "n", ' if method == "POST" else ""
+
+    response = send_company(client, method, company, admin_headers, f'{{{name}"{field}": {value}}}')
+
+    error = assert_error(response, 422, field)
+    assert list(error["errors"]["json"]) == [field]
+    assert limits_unchanged(db_session, company, before)
+
+
+@pytest.mark.parametrize("number", ["1e400", "9" * 310, "-" + "9" * 5000])
+@pytest.mark.parametrize("method", ["POST", "PATCH"])
+def test_company_limit_beyond_the_range_of_a_double_is_400_with_a_clean_message(
+    client: FlaskClient,
+    company: CompanyWithKey,
+    admin_headers: dict[str, str],
+    db_session: Session,
+    *,
+    method: str,
+    number: str,
+) -> None:
+    before = companies(db_session)
+
+    response = send_company(
+        client, method, company, admin_headers, f'{{"name": "n", "weight": {number}}}'
+    )
+
+    error = assert_error(response, 400, "out of range")
+    assert len(error["message"]) < 200
+    assert limits_unchanged(db_session, company, before)
+
+
+def test_duplicate_key_in_a_company_patch_is_400_naming_it(
+    client: FlaskClient, company: CompanyWithKey, admin_headers: dict[str, str], db_session: Session
+) -> None:
+    before = companies(db_session)
+
+    response = send_company(
+        client, "PATCH", company, admin_headers, '{"weight": 1000, "weight": 1}'
+    )
+
+    assert_error(response, 400, "duplicate key 'weight'")
+    assert limits_unchanged(db_session, company, before)
+
+
+def test_company_patch_over_1_mib_is_413(
+    client: FlaskClient, company: CompanyWithKey, admin_headers: dict[str, str], db_session: Session
+) -> None:
+    before = companies(db_session)
+    body = '{"weight": 2' + " " * 2**20 + "}"
+
+    response = send_company(client, "PATCH", company, admin_headers, body)
+
+    assert_error(response, 413)
+    assert limits_unchanged(db_session, company, before)
+
+
+@pytest.mark.parametrize("method", ["PUT", "DELETE", "POST"])
+def test_other_methods_on_a_company_are_a_json_405_allowing_get_and_patch(
+    client: FlaskClient,
+    company: CompanyWithKey,
+    admin_headers: dict[str, str],
+    db_session: Session,
+    method: str,
+) -> None:
+    before = companies(db_session)
+
+    response = client.open(
+        f"/companies/{company.id}", method=method, headers=admin_headers, json={"weight": 5}
+    )
+
+    assert_error(response, 405)
+    assert {"GET", "PATCH"} <= {m.strip() for m in response.headers["Allow"].split(",")}
+    assert limits_unchanged(db_session, company, before)
 
 
 # --- Idempotency-Key -------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 The routes come from `app.url_map`, so a route added later is swept without editing this file;
 only the admin's expected answer must be added to `ADMIN_EXPECTED` (the sweep fails until it
 is). For each route and method: another company's key gets the 404 of an id that does not
-exist, the admin token gets what DESIGN §3 says, no token gets a 401 with
-`WWW-Authenticate: Bearer`; no answer carries the victim's data, and nothing changes.
+exist (on an admin-only route, `ADMIN_ONLY`, the 401 every company key gets there), the admin
+token gets what DESIGN §3 says, no token gets a 401 with `WWW-Authenticate: Bearer`; no answer
+carries the victim's data, and nothing changes (but what the admin may change).
 """
 
 from __future__ import annotations
@@ -22,18 +23,27 @@ from sqlalchemy.orm import Session
 from werkzeug.routing import Rule
 from werkzeug.test import TestResponse
 
-from db.models import Task
+from db.models import Company, Task
 from tests.conftest import ADMIN_TOKEN
-from tests.factories import CompanyWithKey, MakeCompany, MakeTask, count_tasks, json_of
+from tests.factories import (
+    CompanyWithKey,
+    MakeCompany,
+    MakeTask,
+    company_limits,
+    count_tasks,
+    json_of,
+)
 
 NAME_MARKER = "victim-name-7f3a9c"
 PAYLOAD_MARKER = "victim-payload-5e1b2d"
 ERROR_MARKER = "victim-error-9d4c8a"
 
-# What the admin token gets on each company route (DESIGN §3 "who"): it may read a company, but
-# does not act for a tenant on its tasks (403 with a message, the same for any company id).
+# What the admin token gets on each company route (DESIGN §3 "who"): it may read a company and
+# set its limits, but does not act for a tenant on its tasks (403 with a message, the same for
+# any company id).
 ADMIN_EXPECTED: dict[tuple[str, str], int] = {
     ("/companies/<uuid:company_id>", "GET"): 200,
+    ("/companies/<uuid:company_id>", "PATCH"): 200,
     ("/companies/<uuid:company_id>/tasks", "GET"): 403,
     ("/companies/<uuid:company_id>/tasks", "POST"): 403,
     ("/companies/<uuid:company_id>/tasks/<uuid:task_id>", "GET"): 403,
@@ -41,8 +51,19 @@ ADMIN_EXPECTED: dict[tuple[str, str], int] = {
     ("/companies/<uuid:company_id>/tasks/<uuid:task_id>/retry", "POST"): 403,
 }
 
+# Admin-only company routes: every company key, its own included, gets the 401 of an
+# admin-only endpoint (as on POST /companies), whatever company is in the path.
+ADMIN_ONLY: set[tuple[str, str]] = {("/companies/<uuid:company_id>", "PATCH")}
+
 # Path arguments the sweep knows how to fill; a route with another one fails the sweep.
 KNOWN_ARGUMENTS = {"company_id", "task_id"}
+
+# A valid body per method: a refusal must come from who is asking, not from the body.
+BODIES: dict[str, dict[str, Any]] = {
+    "POST": {"type": "noop"},
+    "PATCH": {"weight": 7, "max_in_flight": 3},
+}
+COMPANY_FIELDS = {"id", "name", "created_at", "weight", "max_in_flight"}
 
 
 @dataclass(frozen=True)
@@ -120,14 +141,31 @@ def snapshot(session: Session) -> list[tuple[Any, ...]]:
     return [tuple(row) for row in rows]
 
 
+def company_snapshot(session: Session) -> list[tuple[Any, ...]]:
+    """Every company row's mutable state (name and limits)."""
+    rows = session.execute(
+        select(Company.id, Company.name, Company.weight, Company.max_in_flight).order_by(Company.id)
+    )
+    return [tuple(row) for row in rows]
+
+
 @pytest.fixture
-def unchanged(db_session: Session, tenants: Tenants) -> Iterator[None]:
+def tasks_unchanged(db_session: Session, tenants: Tenants) -> Iterator[None]:
     """Assert after the test that no task was created, changed or deleted."""
     before = snapshot(db_session)
     yield
     db_session.expire_all()
     assert snapshot(db_session) == before
     assert count_tasks(db_session, tenants.victim.id) == len(tenants.victim_tasks)
+
+
+@pytest.fixture
+def unchanged(db_session: Session, tasks_unchanged: None) -> Iterator[None]:
+    """Assert after the test that no task and no company was created, changed or deleted."""
+    before = company_snapshot(db_session)
+    yield
+    db_session.expire_all()
+    assert company_snapshot(db_session) == before
 
 
 def call(
@@ -138,7 +176,7 @@ def call(
     task: object,
     headers: dict[str, str],
 ) -> TestResponse:
-    """Send `route` with these path ids; a POST carries a valid create body."""
+    """Send `route` with these path ids; a POST or PATCH carries a valid body (`BODIES`)."""
     unknown = set(route.rule.arguments) - KNOWN_ARGUMENTS
     assert not unknown, f"{route}: the sweep cannot fill {sorted(unknown)}; extend it"
     values = {"company_id": company, "task_id": task}
@@ -152,7 +190,7 @@ def call(
         path,
         method=route.method,
         headers=headers,
-        json={"type": "noop"} if route.method == "POST" else None,
+        json=BODIES.get(route.method),
     )
 
 
@@ -168,6 +206,8 @@ def test_every_company_route_has_an_expected_admin_answer(app: Flask) -> None:
     assert routes, "no route has company_id in its path: the sweep would check nothing"
     assert routes - set(ADMIN_EXPECTED) == set(), "add the admin's answer to ADMIN_EXPECTED"
     assert set(ADMIN_EXPECTED) - routes == set(), "ADMIN_EXPECTED names routes that are gone"
+    assert ADMIN_ONLY - routes == set(), "ADMIN_ONLY names routes that are gone"
+    assert {method for _, method in routes} <= {"GET", *BODIES}, "add a valid body to BODIES"
 
 
 @pytest.mark.usefixtures("unchanged")
@@ -176,6 +216,7 @@ def test_another_companys_key_gets_the_404_of_a_missing_id_on_every_company_rout
 ) -> None:
     problems: list[str] = []
     for route in company_routes(client.application):
+        expected = 401 if route.key in ADMIN_ONLY else 404
         # (the company in the path, the one a missing-id request uses instead of it)
         companies = [(tenants.victim.id, uuid.uuid4())]
         if "task_id" in route.rule.arguments:
@@ -194,8 +235,8 @@ def test_another_companys_key_gets_the_404_of_a_missing_id_on_every_company_rout
                     client, route, company=company, task=task, headers=tenants.intruder.headers
                 )
                 where = f"{route} company={company} task={task}"
-                if response.status_code != 404 or json_of(response)["code"] != 404:
-                    problems.append(f"{where}: {response.status_code}, not 404")
+                if response.status_code != expected or json_of(response)["code"] != expected:
+                    problems.append(f"{where}: {response.status_code}, not {expected}")
                 if response.get_json() != missing.get_json():
                     problems.append(f"{where}: differs from a missing id: {response.get_json()}")
                 if found := leaks(response, tenants.secrets):
@@ -204,9 +245,9 @@ def test_another_companys_key_gets_the_404_of_a_missing_id_on_every_company_rout
     assert problems == []
 
 
-@pytest.mark.usefixtures("unchanged")
+@pytest.mark.usefixtures("tasks_unchanged")
 def test_admin_token_gets_the_designed_answer_on_every_company_route(
-    client: FlaskClient, tenants: Tenants, admin_headers: dict[str, str]
+    client: FlaskClient, tenants: Tenants, admin_headers: dict[str, str], db_session: Session
 ) -> None:
     problems: list[str] = []
     for route in company_routes(client.application):
@@ -226,9 +267,7 @@ def test_admin_token_gets_the_designed_answer_on_every_company_route(
                 problems.append(f"{where}: leaks task data {found}")
             if expected == 200:
                 body = json_of(response)
-                if set(body) != {"id", "name", "created_at"} or body["id"] != str(
-                    tenants.victim.id
-                ):
+                if set(body) != COMPANY_FIELDS or body["id"] != str(tenants.victim.id):
                     problems.append(f"{where}: unexpected body {body}")
                 continue
             body = json_of(response)
@@ -244,6 +283,9 @@ def test_admin_token_gets_the_designed_answer_on_every_company_route(
                 problems.append(f"{where}: tells existing ids from missing ones")
 
     assert problems == []
+    # The admin's PATCH changed the victim's limits, and only the victim's.
+    assert company_limits(db_session, tenants.victim.id) == (7, 3)
+    assert company_limits(db_session, tenants.intruder.id) == (1, None)
 
 
 @pytest.mark.parametrize(

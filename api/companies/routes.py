@@ -1,4 +1,4 @@
-"""/companies: create a tenant (admin) and read it (the tenant or the admin)."""
+"""/companies: create a tenant (admin), read it (the tenant or the admin), set its limits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ from typing import Any
 from flask.views import MethodView
 
 from api import auth, database
-from api.companies.schemas import CompanyCreatedSchema, CompanyCreateSchema, CompanySchema
+from api.companies.schemas import (
+    CompanyCreatedSchema,
+    CompanyCreateSchema,
+    CompanyLimitsSchema,
+    CompanySchema,
+)
 from api.parser import Blueprint
 from db import companies
 
@@ -32,13 +37,19 @@ class Companies(MethodView):
         key = auth.new_api_key()
         session = database.session()
         company = companies.create_company(
-            session, name=body["name"], api_key_hash=auth.hash_api_key(key)
+            session,
+            name=body["name"],
+            api_key_hash=auth.hash_api_key(key),
+            weight=body["weight"],
+            max_in_flight=body["max_in_flight"],
         )
         session.commit()
         return {
             "id": company.id,
             "name": company.name,
             "created_at": company.created_at,
+            "weight": company.weight,
+            "max_in_flight": company.max_in_flight,
             "api_key": key,
         }
 
@@ -54,3 +65,24 @@ class CompanyById(MethodView):
     def get(self, company_id: uuid.UUID) -> Any:
         """Read a company (its own key, or the admin token)."""
         return companies.get_company(database.session(), company_id)
+
+    @auth.admin_required
+    @blp.arguments(
+        CompanyLimitsSchema,
+        description="At least one of weight and max_in_flight; the other keeps its value.",
+    )
+    @blp.response(200, CompanySchema)
+    @blp.alt_response(400, description="Malformed JSON.")
+    @blp.alt_response(
+        401, description="Missing or invalid admin token (a company's own key is refused too)."
+    )
+    @blp.alt_response(404, description="No such company.")
+    @blp.alt_response(413, description="Body larger than 1 MiB.")
+    @blp.alt_response(415, description="Body is not JSON.")
+    @blp.alt_response(503, description="ADMIN_TOKEN is not configured.")
+    def patch(self, body: dict[str, Any], company_id: uuid.UUID) -> Any:
+        """Set a company's weight and/or max_in_flight (admin only)."""
+        session = database.session()
+        company = companies.update_company_limits(session, company_id, **body)
+        session.commit()
+        return company

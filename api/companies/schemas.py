@@ -2,9 +2,43 @@
 
 from __future__ import annotations
 
-from marshmallow import RAISE, Schema, fields, validate
+from typing import Any
+
+from marshmallow import RAISE, Schema, ValidationError, fields, validate, validates_schema
 
 from api import validators
+from db.models import MAX_IN_FLIGHT, MAX_WEIGHT, MIN_IN_FLIGHT, MIN_WEIGHT
+
+WEIGHT_DESCRIPTION = (
+    f"Share of claimed tasks while several companies have runnable work, proportional to "
+    f"the weight: an integer {MIN_WEIGHT}..{MAX_WEIGHT}."
+)
+MAX_IN_FLIGHT_DESCRIPTION = (
+    f"Most tasks of this company processing at once across every worker: an integer "
+    f"{MIN_IN_FLIGHT}..{MAX_IN_FLIGHT}, or null for unlimited."
+)
+LIMIT_FIELDS = ("weight", "max_in_flight")
+
+
+def weight_field(**kwargs: Any) -> fields.Integer:
+    """`weight` in a request: a JSON integer (no bool, float or string) in range."""
+    return fields.Integer(
+        strict=True,
+        validate=validate.Range(min=MIN_WEIGHT, max=MAX_WEIGHT),
+        metadata={"description": WEIGHT_DESCRIPTION},
+        **kwargs,
+    )
+
+
+def max_in_flight_field(**kwargs: Any) -> fields.Integer:
+    """`max_in_flight` in a request: a JSON integer in range, or null (unlimited)."""
+    return fields.Integer(
+        strict=True,
+        allow_none=True,
+        validate=validate.Range(min=MIN_IN_FLIGHT, max=MAX_IN_FLIGHT),
+        metadata={"description": MAX_IN_FLIGHT_DESCRIPTION},
+        **kwargs,
+    )
 
 
 class CompanyCreateSchema(Schema):
@@ -22,6 +56,23 @@ class CompanyCreateSchema(Schema):
         ],
         metadata={"description": "Display name, 1..200 characters, one line, not blank."},
     )
+    weight = weight_field(load_default=1)
+    max_in_flight = max_in_flight_field(load_default=None)
+
+
+class CompanyLimitsSchema(Schema):
+    """Body of PATCH /companies/{companyId}: at least one of the two limits."""
+
+    class Meta:
+        unknown = RAISE
+
+    weight = weight_field()
+    max_in_flight = max_in_flight_field()
+
+    @validates_schema
+    def _at_least_one(self, data: dict[str, Any], **_kwargs: Any) -> None:
+        if not data:
+            raise ValidationError(f"send at least one of: {', '.join(LIMIT_FIELDS)}")
 
 
 class CompanySchema(Schema):
@@ -30,6 +81,10 @@ class CompanySchema(Schema):
     id = fields.UUID(dump_only=True)
     name = fields.String(dump_only=True)
     created_at = fields.AwareDateTime(dump_only=True)
+    weight = fields.Integer(dump_only=True, metadata={"description": WEIGHT_DESCRIPTION})
+    max_in_flight = fields.Integer(
+        dump_only=True, allow_none=True, metadata={"description": MAX_IN_FLIGHT_DESCRIPTION}
+    )
 
 
 class CompanyCreatedSchema(CompanySchema):
