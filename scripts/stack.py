@@ -358,11 +358,12 @@ def migrate(url: str) -> None:
 
 
 def empty_tables(url: str) -> None:
-    """Delete every task and company: each run starts from nothing."""
+    """Delete every task and company, and rewind the claim cursor: each run starts from nothing."""
     engine = script_engine(url)
     try:
         with engine.begin() as conn:
-            conn.execute(text("TRUNCATE tasks, companies"))
+            conn.execute(text("TRUNCATE tasks, company_queues, companies"))
+            conn.execute(text("UPDATE claim_cursor SET ring_position = 0, credit = 0"))
     finally:
         engine.dispose()
 
