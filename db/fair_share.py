@@ -25,13 +25,13 @@ class Contender:
     """A ready company, as the claim sees it.
 
     `headroom` is how many more leases it may hold: `max_in_flight` minus its `processing`
-    tasks, or the batch size when unlimited; at least 1 (the claim passes over the others).
+    tasks, at least 1 (the claim passes over the others), or None when it has no limit.
     """
 
     company_id: uuid.UUID
     ring_position: int
     weight: int
-    headroom: int
+    headroom: int | None
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,13 @@ class Allocation:
     """Each company's share of a batch, and the cursor after it.
 
     `shares` maps company id to `(tasks, turn)`: `turn` is the position of the company's
-    first turn in this batch (0, 1, ...), so tasks ordered by (their round, `turn`) come out
-    in the order round robin serves them.
+    first turn in this batch (0, 1, ...). `first_turns` maps it to the tasks of that first
+    turn (what was left of an interrupted turn, else its weight), so tasks ordered by (their
+    round, `turn`) come out in the order round robin serves them.
     """
 
     shares: dict[uuid.UUID, tuple[int, int]]
+    first_turns: dict[uuid.UUID, int]
     cursor: Cursor
 
 
@@ -67,26 +69,31 @@ def allocate(contenders: list[Contender], slots: int, credit: int) -> Allocation
     """
     taken = [0] * len(contenders)
     turn_order: dict[uuid.UUID, int] = {}
+    first_turns: dict[uuid.UUID, int] = {}
     left = slots
     cursor = Cursor(contenders[0].ring_position - 1, 0) if contenders else Cursor(0, 0)
-    queue = [i for i, c in enumerate(contenders) if c.headroom > 0]
+    queue = [i for i, c in enumerate(contenders) if c.headroom is None or c.headroom > 0]
     at = 0
-    quantum = credit if credit > 0 else None
+    quantum = credit if credit > 0 else 0
     while left > 0 and queue:
         i = queue[at]
         contender = contenders[i]
+        quantum = quantum or contender.weight
         turn_order.setdefault(contender.company_id, len(turn_order))
-        give = min(quantum or contender.weight, contender.headroom - taken[i], left)
+        first_turns.setdefault(contender.company_id, quantum)
+        room = left if contender.headroom is None else contender.headroom - taken[i]
+        give = min(quantum, room, left)
         taken[i] += give
         left -= give
-        remaining = (quantum or contender.weight) - give
-        quantum = None
-        if taken[i] >= contender.headroom:
-            # At its limit: its turn ends, and it sits out the rest of this batch.
+        quantum -= give
+        if contender.headroom is not None and taken[i] >= contender.headroom:
+            # At its limit: its turn ends without credit, and it sits out the rest.
             queue.pop(at)
             cursor = Cursor(contender.ring_position, 0)
-        elif remaining > 0 and left == 0:
-            cursor = Cursor(contender.ring_position, remaining)
+            quantum = 0
+        elif quantum > 0:
+            # The batch is full in the middle of its turn: the next batch goes on with it.
+            cursor = Cursor(contender.ring_position, quantum)
             break
         else:
             cursor = Cursor(contender.ring_position, 0)
@@ -98,4 +105,5 @@ def allocate(contenders: list[Contender], slots: int, credit: int) -> Allocation
         for i, c in enumerate(contenders)
         if taken[i] > 0
     }
-    return Allocation(shares, cursor)
+    first_turns = {company: n for company, n in first_turns.items() if company in shares}
+    return Allocation(shares, first_turns, cursor)

@@ -151,9 +151,7 @@ class ClaimCursor(Base):
     __tablename__ = "claim_cursor"
 
     id: Mapped[bool] = mapped_column(Boolean, primary_key=True, server_default=text("true"))
-    ring_position: Mapped[int] = mapped_column(
-        BigInteger, nullable=False, server_default=text("0")
-    )
+    ring_position: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
     credit: Mapped[int] = mapped_column(nullable=False, server_default=text("0"))
 
     __table_args__ = (CheckConstraint("id", name="single_row"),)

@@ -241,11 +241,6 @@ class ClaimedTask:
 # Waiting companies made ready per claim at most: a mass wake-up is spread over claims.
 PROMOTE_LIMIT = 1000
 
-# Claim rounds at most per claim; each round after the first follows companies that had less
-# runnable work than their share, so more than a few means the wake-up hints are far off.
-MAX_CLAIM_ROUNDS = 8
-
-
 _SERIALIZE_CLAIMERS = (
     # pg_advisory_xact_lock: claimers queue here, one at a time, until the holder commits, so
     # two never compute the same candidates (SKIP LOCKED would leave both batches short) and
@@ -283,7 +278,7 @@ promoted AS (
     FROM (
         SELECT w.company_id
         FROM company_queues w
-        WHERE NOT w.ready AND w.due_at IS NOT NULL AND w.due_at <= now()
+        WHERE NOT w.ready AND w.due_at IS NOT NULL AND w.due_at <= statement_timestamp()
         ORDER BY w.due_at
         LIMIT %(promote_limit)s
         FOR UPDATE SKIP LOCKED
@@ -318,7 +313,7 @@ JOIN companies c ON c.id = s.company_id
 CROSS JOIN LATERAL (
     -- How many more leases it may hold. Counted only for a company with a limit, and at
     -- most max_in_flight index entries.
-    SELECT CASE WHEN c.max_in_flight IS NULL THEN CAST(%(batch_size)s AS int)
+    SELECT CASE WHEN c.max_in_flight IS NULL THEN NULL
                 ELSE c.max_in_flight - (
                     SELECT count(*) FROM (
                         SELECT 1 FROM tasks t
@@ -330,37 +325,44 @@ CROSS JOIN LATERAL (
                         LIMIT c.max_in_flight
                     ) held)
            END AS headroom
+    -- OFFSET 0 keeps this a subquery of its own: evaluated once per company, not once for
+    -- the filter and again for the output.
+    OFFSET 0
 ) h
 -- A company at its limit is passed over, not dropped: it stays in the ring.
-WHERE h.headroom > 0
+WHERE (h.headroom IS NULL OR h.headroom > 0)
   AND NOT (s.company_id = ANY(CAST(%(exclude)s AS uuid[])))
 LIMIT %(batch_size)s
 """
 
 _CLAIM = """
 WITH share AS (
-    -- What fair_share.allocate gave each company, and its first turn's place in the batch.
+    -- What fair_share.allocate gave each company: its tasks, its first turn's place in
+    -- the batch and size (the rest of an interrupted turn, or its weight), its weight.
     SELECT * FROM unnest(CAST(%(company_ids)s AS uuid[]), CAST(%(shares)s AS int[]),
-                         CAST(%(turns)s AS int[]), CAST(%(weights)s AS int[]))
-           AS s(company_id, n, turn, weight)
+                         CAST(%(turns)s AS int[]), CAST(%(first_turns)s AS int[]),
+                         CAST(%(weights)s AS int[]))
+           AS s(company_id, n, turn, first_turn, weight)
 ),
 locked AS (
     -- Each company's longest-waiting runnable tasks, locked: a range scan of
     -- ix_tasks_pending_company_run_after (company_id, run_after, id) WHERE status =
     -- 'pending' that stops after its share; rows scheduled or backed off into the future
-    -- lie beyond now() and are never read. id breaks ties (a bulk insert shares one now()).
+    -- are never read. id breaks ties (a bulk insert shares one now()). Due means by
+    -- statement_timestamp(), not now() (the transaction start, before the wait for the
+    -- claimers' lock): a task that came due during that wait is due.
     -- SKIP LOCKED: a row another transaction holds (the API cancelling it) is passed over
     -- and the scan goes on to the next. The quals are checked again on the row being locked:
     -- if another transaction changed it after our snapshot, READ COMMITTED re-evaluates
     -- them on the newest version (EvalPlanQual) and drops it instead of claiming it.
-    SELECT k.id, k.run_after, s.company_id, s.turn, s.weight
+    SELECT k.id, k.run_after, s.company_id, s.turn, s.first_turn, s.weight
     FROM share s
     CROSS JOIN LATERAL (
         SELECT t.id, t.run_after
         FROM tasks t
         WHERE t.company_id = s.company_id
           AND t.status = 'pending'
-          AND t.run_after <= now()
+          AND t.run_after <= statement_timestamp()
         ORDER BY t.run_after, t.id
         LIMIT s.n
         FOR UPDATE OF t SKIP LOCKED
@@ -380,16 +382,19 @@ claimed AS (
     FROM locked l
     WHERE t.id = l.id
     RETURNING t.id, t.company_id, t.type, t.payload, t.attempts, t.max_attempts,
-              t.lease_token, t.created_at, l.turn, l.weight, l.run_after
+              t.lease_token, t.created_at, l.turn, l.first_turn, l.weight, l.run_after
 ),
 moved AS (
     UPDATE claim_cursor SET ring_position = %(cursor_position)s, credit = %(cursor_credit)s
 )
 -- UPDATE ... RETURNING has no order; hand the batch out in the order round robin serves it:
--- by round (a company's weight of tasks per round), then turn.
+-- by round (its first turn, then a company's weight of tasks per round), then turn.
 SELECT id, company_id, type, payload, attempts, max_attempts, lease_token, created_at
-FROM claimed
-ORDER BY (row_number() OVER (PARTITION BY company_id ORDER BY run_after, id) - 1) / weight,
+FROM (
+    SELECT c.*, row_number() OVER (PARTITION BY company_id ORDER BY run_after, id) AS rank
+    FROM claimed c
+) r
+ORDER BY CASE WHEN rank <= first_turn THEN 0 ELSE 1 + (rank - first_turn - 1) / weight END,
          turn, run_after, id
 """
 
@@ -412,7 +417,7 @@ _SETTLE = (
     """
 UPDATE company_queues q
 SET due_at = d.due_at,
-    ready = coalesce(d.due_at <= now(), false)
+    ready = coalesce(d.due_at <= statement_timestamp(), false)
 FROM unnest(CAST(%(company_ids)s AS uuid[])) AS u(company_id)
 CROSS JOIN LATERAL (
     SELECT min(t.run_after) AS due_at
@@ -432,10 +437,11 @@ def claim(
 ) -> list[ClaimedTask]:
     """Claim up to `batch_size` runnable tasks, weighted-fair across companies; in claim order.
 
-    Runnable: `pending` with `run_after <= now()` (leases that expired are made pending by
-    `expire_leases` first). Each claimed row moves to `processing` with a new `lease_token`
-    and counts an attempt. Run it under READ COMMITTED (the default) and commit right after:
-    the advisory lock taken here serializes every claimer until then.
+    Runnable: `pending` with `run_after` at or before the statement's start (leases that
+    expired are made pending by `expire_leases` first). Each claimed row moves to
+    `processing` with a new `lease_token` and counts an attempt. Run it under READ COMMITTED
+    (the default) and commit right after: the advisory lock taken here serializes every
+    claimer until then.
 
     Work-conserving: fewer than `batch_size` only when no more runnable task is allowed (a
     company at its `max_in_flight` holds back the rest of its work). Which tasks: companies
@@ -453,38 +459,45 @@ def claim(
     connection.execute(_SERIALIZE_CLAIMERS, {"key": CLAIM_LOCK_KEY})
     batch: list[ClaimedTask] = []
     exhausted: list[uuid.UUID] = []
-    for _ in range(MAX_CLAIM_ROUNDS):
+    # Each round either fills the batch or finds companies with less runnable work than
+    # their share, which leave the ring below: the rounds end.
+    while len(batch) < batch_size:
         wanted = batch_size - len(batch)
         contenders, credit = _contenders(connection, wanted, exclude=exhausted)
         if not contenders:
             break
         allocation = fair_share.allocate(contenders, wanted, credit)
-        ids = list(allocation.shares)
-        weights = {c.company_id: c.weight for c in contenders}
         rows = connection.execute(
-            _CLAIM,
-            {
-                "worker_id": worker_id,
-                "company_ids": ids,
-                "shares": [allocation.shares[i][0] for i in ids],
-                "turns": [allocation.shares[i][1] for i in ids],
-                "weights": [weights[i] for i in ids],
-                "cursor_position": allocation.cursor.ring_position,
-                "cursor_credit": allocation.cursor.credit,
-            },
+            _CLAIM, claim_parameters(worker_id, contenders, allocation)
         ).fetchall()
         claimed = [ClaimedTask(*row) for row in rows]
         batch.extend(claimed)
         got = collections.Counter(task.company_id for task in claimed)
-        short = [i for i in ids if got[i] < allocation.shares[i][0]]
+        short = [i for i, (n, _) in allocation.shares.items() if got[i] < n]
         if not short:
             break
         exhausted.extend(short)
-        if len(batch) >= batch_size:
-            break
     if exhausted:
         _settle(connection, exhausted)
     return batch
+
+
+def claim_parameters(
+    worker_id: str, contenders: Sequence[fair_share.Contender], allocation: fair_share.Allocation
+) -> dict[str, Any]:
+    """The parameters of the claim statement `_CLAIM` for this allocation."""
+    ids = list(allocation.shares)
+    weights = {c.company_id: c.weight for c in contenders}
+    return {
+        "worker_id": worker_id,
+        "company_ids": ids,
+        "shares": [allocation.shares[i][0] for i in ids],
+        "turns": [allocation.shares[i][1] for i in ids],
+        "first_turns": [allocation.first_turns[i] for i in ids],
+        "weights": [weights[i] for i in ids],
+        "cursor_position": allocation.cursor.ring_position,
+        "cursor_credit": allocation.cursor.credit,
+    }
 
 
 def _driver(session: Session) -> psycopg.Connection[Any]:
@@ -506,7 +519,7 @@ def _contenders(
     # (lap, ring_position): the order the statement's Append reads them in, made certain.
     rows.sort(key=lambda row: (row[2], row[1]))
     contenders = [
-        fair_share.Contender(company_id, ring_position, weight, min(headroom, wanted))
+        fair_share.Contender(company_id, ring_position, weight, headroom)
         for company_id, ring_position, _, weight, headroom, _, _ in rows
     ]
     # The interrupted turn goes on only if its company is still the first in line.

@@ -205,3 +205,31 @@ def insert_delayed_tasks(session: Session, company_id: uuid.UUID, count: int) ->
         {"company_id": company_id, "count": count},
     )
     session.commit()
+
+
+def insert_weighted_company(
+    session: Session, name: str = "acme", *, weight: int = 1, max_in_flight: int | None = None
+) -> CompanyWithKey:
+    """Store a company with this `weight` and `max_in_flight` (None: unlimited); commit."""
+    key = auth.new_api_key()
+    company = companies.create_company(
+        session,
+        name=name,
+        api_key_hash=auth.hash_api_key(key),
+        weight=weight,
+        max_in_flight=max_in_flight,
+    )
+    session.commit()
+    return CompanyWithKey(company.id, company.name, key)
+
+
+@pytest.fixture
+def make_weighted_company(db_session: Session) -> MakeCompany:
+    """`make_weighted_company(name="acme", weight=1, max_in_flight=None)` -> a stored company."""
+
+    def make(
+        name: str = "acme", *, weight: int = 1, max_in_flight: int | None = None
+    ) -> CompanyWithKey:
+        return insert_weighted_company(db_session, name, weight=weight, max_in_flight=max_in_flight)
+
+    return make

@@ -1,4 +1,8 @@
-"""The claim (DESIGN §4): eligibility, fairness, SKIP LOCKED, EvalPlanQual, concurrency."""
+"""The claim (DESIGN §4): eligibility, fairness, SKIP LOCKED, EvalPlanQual, concurrency.
+
+Weighted shares, in-flight limits, the wake-up protocol and the migration of the weighted fair
+claim have their own module, `tests/test_fair_claim.py`.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +20,8 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from db import queue
+from db import fair_share, queue
 from db.engine import make_engine, make_sessionmaker
-from scripts import bench_claim
 from tests.factories import (
     MakeCompany,
     MakeTask,
@@ -32,14 +35,8 @@ STALE = 300.0
 
 
 def claim(session: Session, **overrides: Any) -> list[queue.ClaimedTask]:
-    """Claim with test defaults (batch 100, cap 10, stale 300 s), then commit."""
-    params: dict[str, Any] = {
-        "worker_id": "test:1",
-        "batch_size": 100,
-        "per_company_cap": 10,
-        "stale_after": STALE,
-        **overrides,
-    }
+    """Claim with test defaults (worker "test:1", batch 100), then commit."""
+    params: dict[str, Any] = {"worker_id": "test:1", "batch_size": 100, **overrides}
     batch = queue.claim(session, **params)
     session.commit()
     return batch
@@ -64,10 +61,12 @@ def test_claim_moves_pending_task_to_processing_under_a_new_lease(
 
     stored = fetch(db_session, task.id)
     assert claimed.id == task.id
+    assert claimed.company_id == company.id
     assert claimed.payload == {"k": 1}
     assert claimed.attempts == stored["attempts"] == 1
     assert claimed.max_attempts == 5
     assert claimed.lease_token == stored["lease_token"] is not None
+    assert claimed.lease == queue.Lease(task.id, claimed.lease_token)
     assert stored["status"] == "processing"
     assert stored["locked_by"] == "host:42"
     assert stored["locked_at"] is not None
@@ -75,27 +74,28 @@ def test_claim_moves_pending_task_to_processing_under_a_new_lease(
     assert stored["updated_at"] == stored["locked_at"]
 
 
-def test_claim_ignores_future_terminal_and_freshly_locked_tasks(
+def test_claim_ignores_future_terminal_and_processing_tasks(
     db_session: Session, make_company: MakeCompany, make_task: MakeTask
 ) -> None:
     company = make_company()
     make_task(company.id, run_after=text("now() + interval '1 minute'"))
     for status in ("completed", "failed", "cancelled"):
         make_task(company.id, status=status)
-    make_task(
-        company.id,
-        status="processing",
-        attempts=1,
-        lease_token=uuid.uuid4(),
-        locked_at=text("now() - interval '299 seconds'"),
-    )
+    for age in ("299 seconds", "1 hour"):  # live, and expired but not yet taken back
+        make_task(
+            company.id,
+            status="processing",
+            attempts=1,
+            lease_token=uuid.uuid4(),
+            locked_at=text(f"now() - interval '{age}'"),
+        )
     runnable = make_task(company.id, run_after=text("now() - interval '1 second'"))
 
     assert [t.id for t in claim(db_session)] == [runnable.id]
     assert claim(db_session) == []
 
 
-def test_claim_recovers_a_stale_lease_keeping_started_at(
+def test_an_expired_lease_is_requeued_then_claimed_keeping_started_at_and_attempts(
     db_session: Session, make_company: MakeCompany, make_task: MakeTask
 ) -> None:
     company = make_company()
@@ -109,37 +109,83 @@ def test_claim_recovers_a_stale_lease_keeping_started_at(
         locked_at=text("now() - interval '301 seconds'"),
         started_at=text("now() - interval '1 hour'"),
     )
+    lease_start = fetch(db_session, stale.id)["locked_at"]
+
+    [expired] = queue.expire_leases(db_session, stale_after=STALE)
+    db_session.commit()
+
+    assert (expired.id, expired.attempts, expired.locked_by, expired.failed) == (
+        stale.id, 2, "dead:1", False,
+    )  # fmt: skip
+    requeued = fetch(db_session, stale.id)
+    assert requeued["status"] == "pending"
+    assert requeued["attempts"] == 2
+    # Waiting since its holder was last heard of: first in its company's line.
+    assert requeued["run_after"] == lease_start
+    assert requeued["lease_token"] is requeued["locked_by"] is requeued["locked_at"] is None
 
     [claimed] = claim(db_session, worker_id="alive:2")
 
     stored = fetch(db_session, stale.id)
     assert claimed.id == stale.id
     assert claimed.attempts == stored["attempts"] == 3
-    assert claimed.lease_token != old_token
+    assert claimed.lease_token not in (old_token, None)
     assert stored["locked_by"] == "alive:2"
     assert stored["started_at"] < stored["locked_at"]
 
 
-def test_claim_leaves_stale_tasks_without_attempts_left_to_the_sweep(
+def test_an_expired_lease_without_attempts_left_is_failed_not_claimed(
     db_session: Session, make_company: MakeCompany, make_task: MakeTask
 ) -> None:
     company = make_company()
-    make_task(
+    pill = make_task(
         company.id,
         status="processing",
         attempts=3,
         max_attempts=3,
         lease_token=uuid.uuid4(),
+        locked_by="dead:3",
         locked_at=text("now() - interval '1 hour'"),
     )
+
+    [expired] = queue.expire_leases(db_session, stale_after=STALE)
+    db_session.commit()
+
+    assert (expired.id, expired.failed) == (pill.id, True)
+    stored = fetch(db_session, pill.id)
+    assert stored["status"] == "failed"
+    assert stored["last_error"] == (
+        "worker lost (lease expired) after 3 attempts (last holder dead:3)"
+    )
     assert claim(db_session) == []
+
+
+def test_expire_leases_takes_back_at_most_limit_leases_oldest_first(
+    db_session: Session, make_company: MakeCompany, make_task: MakeTask
+) -> None:
+    company = make_company().id
+    leases = [
+        make_task(
+            company,
+            status="processing",
+            attempts=1,
+            lease_token=uuid.uuid4(),
+            locked_at=text(f"now() - interval '{minutes} minutes'"),
+        ).id
+        for minutes in (30, 20, 10)
+    ]
+
+    first = queue.expire_leases(db_session, stale_after=STALE, limit=2)
+
+    assert {e.id for e in first} == set(leases[:2])
+    assert [e.id for e in queue.expire_leases(db_session, stale_after=STALE)] == leases[2:]
 
 
 def test_claim_turns_jit_off_for_its_transaction(
     db_session: Session, make_company: MakeCompany, make_task: MakeTask
 ) -> None:
     make_task(make_company().id)
-    queue.claim(db_session, worker_id="t", batch_size=1, per_company_cap=1, stale_after=STALE)
+    queue.claim(db_session, worker_id="t", batch_size=1)
     assert db_session.execute(text("SHOW jit")).scalar_one() == "off"
 
 
@@ -151,20 +197,19 @@ def test_quiet_companies_get_into_the_first_batch_despite_a_flood(
 ) -> None:
     """A flooder's 10,000 older tasks cannot push two quiet companies out of a batch.
 
-    The quiet tasks are newer than every flooder task, so only the per-company rank puts
-    them in; the order is exactly rank first, then eligible since (DESIGN §1.3; for tasks
-    runnable since creation, as these, that is created_at).
+    The quiet tasks are newer than every flooder task, so only the turns put them in:
+    companies take turns (ring order: the one whose work came due first first), one task
+    each, so the batch is every company's oldest, then every company's second, then the
+    flooder alone fills the rest of the batch (work-conserving).
     """
     flooder, quiet_a, quiet_b = (make_company(n) for n in ("flooder", "quiet-a", "quiet-b"))
     flood = insert_tasks(db_session, flooder.id, 10_000, newest_age_seconds=7200)
     a1, a2 = insert_tasks(db_session, quiet_a.id, 2, newest_age_seconds=3000)  # -3001, -3000
     b1, b2 = insert_tasks(db_session, quiet_b.id, 2, newest_age_seconds=2999.5)
 
-    batch = claim(db_session, batch_size=100, per_company_cap=10)
+    batch = claim(db_session, batch_size=100)
 
-    # rank 1: the flooder's oldest, then A, then B; rank 2 likewise; ranks 3-10 flooder only.
-    expected = [flood[0], a1, b1, flood[1], a2, b2, *flood[2:10]]
-    assert [t.id for t in batch] == expected
+    assert [t.id for t in batch] == [flood[0], a1, b1, flood[1], a2, b2, *flood[2:96]]
 
 
 def test_a_short_batch_takes_every_company_oldest_before_anyone_second(
@@ -178,192 +223,28 @@ def test_a_short_batch_takes_every_company_oldest_before_anyone_second(
     assert [t.id for t in claim(db_session, batch_size=4)] == [flood[0], a1, b1, flood[1]]
 
 
-def test_per_company_cap_limits_a_batch(db_session: Session, make_company: MakeCompany) -> None:
+def test_a_lone_company_fills_the_whole_batch(
+    db_session: Session, make_company: MakeCompany
+) -> None:
+    """Work-conserving: no per-company cap leaves a batch short while work is runnable."""
     only = make_company()
-    insert_tasks(db_session, only.id, 30)
-    assert len(claim(db_session, batch_size=100, per_company_cap=7)) == 7
+    tasks = insert_tasks(db_session, only.id, 130)
 
-
-def _plan_nodes(
-    node: dict[str, Any], parents: tuple[str, ...] = ()
-) -> Iterator[tuple[dict[str, Any], tuple[str, ...]]]:
-    yield node, parents
-    for child in node.get("Plans", []):
-        yield from _plan_nodes(child, (*parents, node["Node Type"]))
-
-
-CLAIM_INDEXES = {
-    # index name -> the range its Index Cond must contain (the eligibility bound).
-    "ix_tasks_pending_company_run_after": "(run_after <= now())",
-    "ix_tasks_processing_company_locked_at": "(locked_at < (now() - ",
-}
-
-
-def _candidate_scans(plan: dict[str, Any]) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
-    """The plan nodes that scan the claim's two candidate indexes, with their ancestors."""
-    return [
-        (node, parents)
-        for node, parents in _plan_nodes(plan["Plan"])
-        if node.get("Index Name") in CLAIM_INDEXES
-    ]
-
-
-def test_claim_plan_scans_the_claim_indexes_as_ranges_per_company(
-    db_session: Session, make_company: MakeCompany
-) -> None:
-    """Each company's candidates are two LIMITed index range scans, merged without a Sort.
-
-    Pending work comes from ix_tasks_pending_company_run_after with `run_after <= now()` as
-    an index condition, stale leases from ix_tasks_processing_company_locked_at with
-    `locked_at < now() - stale_after`; each scan feeds its Limit directly and a Merge Append
-    combines them in order (no Sort anywhere), so a company costs at most
-    2 * `per_company_cap` index entries however many rows it has. Like a live queue, each
-    company has more finished history than pending work, some delayed work and some
-    leases, live and stale.
-    """
-    for i in range(20):
-        company = make_company(f"c{i}").id
-        history = insert_tasks(db_session, company, 1500, newest_age_seconds=3600)
-        db_session.execute(
-            text("UPDATE tasks SET status = 'completed', finished_at = now() WHERE id = ANY(:ids)"),
-            {"ids": history},
-        )
-        insert_tasks(db_session, company, 100)
-        insert_delayed_tasks(db_session, company, 200)
-        _insert_leases(db_session, company, 20, age_seconds=10)
-        _insert_leases(db_session, company, 5, age_seconds=3600)
-    db_session.execute(text("ANALYZE tasks, companies"))
-    [plan] = db_session.execute(
-        text("EXPLAIN (FORMAT JSON) " + str(queue._CLAIM.text)),
-        {"worker_id": "t", "batch_size": 100, "per_company_cap": 10, "stale_after": STALE},
-    ).scalar_one()
-
-    scans = _candidate_scans(plan)
-    assert sorted(node["Index Name"] for node, _ in scans) == sorted(CLAIM_INDEXES), json.dumps(
-        plan, indent=1
-    )
-    for node, parents in scans:
-        assert node["Node Type"] in ("Index Scan", "Index Only Scan"), node
-        assert node["Index Cond"].startswith("((company_id = c.id) AND "), node["Index Cond"]
-        assert CLAIM_INDEXES[node["Index Name"]] in node["Index Cond"], node["Index Cond"]
-        # The range scan feeds its LIMIT directly: it stops after per_company_cap rows.
-        assert parents[-1] == "Limit", parents
-        # Both streams are merged in order per company, then ranked and cut at the cap.
-        merge = len(parents) - 1 - parents[::-1].index("Merge Append")
-        assert parents[merge - 2 : merge] == ("Limit", "WindowAgg"), parents
-        # No Sort anywhere between the scans and the per-company LIMIT: the merge reads
-        # each stream in index order, lazily.
-        assert parents[merge + 1 :] == ("Limit",), parents
-
-
-# -- a tenant's delayed backlog and live leases cost the claim nothing ------------------
-
-
-def _insert_leases(
-    session: Session, company_id: uuid.UUID, count: int, *, age_seconds: float
-) -> None:
-    """`count` processing tasks (created 3 days ago) whose lease started `age_seconds` ago."""
-    session.execute(
-        text(
-            "INSERT INTO tasks (company_id, type, payload, status, attempts, lease_token, "
-            "locked_by, locked_at, started_at, run_after, created_at, updated_at) "
-            "SELECT :company_id, 'noop', '{}', 'processing', 1, gen_random_uuid(), 'w:1', "
-            "now() - make_interval(secs => :age), now() - make_interval(secs => :age), "
-            "now() - interval '3 days', now() - interval '3 days', now() "
-            "FROM generate_series(1, :count)"
-        ),
-        {"company_id": company_id, "count": count, "age": float(age_seconds)},
-    )
-    session.commit()
-
-
-def _explain_analyze(session: Session, sql: str) -> dict[str, Any]:
-    """EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) of a claim statement, its effects undone."""
-    savepoint = session.begin_nested()
-    try:
-        session.execute(text("SELECT set_config('jit', 'off', true)"))
-        [plan] = session.execute(
-            text("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql),
-            {"worker_id": "t", "batch_size": 100, "per_company_cap": 10, "stale_after": STALE},
-        ).scalar_one()
-    finally:
-        savepoint.rollback()
-    result: dict[str, Any] = plan
-    return result
-
-
-def _rows_read(node: dict[str, Any]) -> float:
-    """Rows a scan node produced or filtered out, over all its loops."""
-    per_loop = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
-    return float(per_loop * node["Actual Loops"])
-
-
-def _buffers(node: dict[str, Any]) -> int:
-    """Pages a node touched (cache hits and reads), over all its loops."""
-    return int(node["Shared Hit Blocks"] + node["Shared Read Blocks"])
-
-
-BACKLOG = 20_000
-LIVE_LEASES = 2_000
-
-
-def test_claim_cost_does_not_grow_with_a_tenants_delayed_backlog(
-    db_session: Session, make_company: MakeCompany
-) -> None:
-    """One tenant's 20,000 delayed tasks and 2,000 live leases are never read by a claim.
-
-    The claim's candidate scans read at most `per_company_cap` (10) entries per company and
-    branch, and touch a few pages per company: bounds that do not mention the backlog. The
-    same workload under the claim before migration 0002 (a created_at-ordered scan that
-    filters eligibility row by row) reads the whole backlog, which shows the workload
-    exercises what the bound is about. Counts and pages, not timings: EXPLAIN (ANALYZE,
-    BUFFERS) reports what each scan node read.
-    """
-    busy, *others = (make_company(f"c{i}").id for i in range(5))
-    insert_delayed_tasks(db_session, busy, BACKLOG)
-    _insert_leases(db_session, busy, LIVE_LEASES, age_seconds=10)
-    for company in (busy, *others):
-        insert_tasks(db_session, company, 30, newest_age_seconds=60)
-    db_session.execute(text("ANALYZE tasks, companies"))
-
-    plan = _explain_analyze(db_session, str(queue._CLAIM.text))
-    scans = _candidate_scans(plan)
-    assert len(scans) == 2, json.dumps(plan, indent=1)
-    for node, _ in scans:
-        loops = node["Actual Loops"]
-        assert loops == 5, node  # once per company
-        assert node.get("Rows Removed by Filter", 0) == 0, node
-        assert _rows_read(node) <= 10 * loops, node
-        # A btree descent plus the heap pages of at most 10 rows (the test's rows are not
-        # all-visible, so an index-only scan still visits the heap): far below the ~100
-        # index and ~300 heap pages the backlog and the leases occupy.
-        assert _buffers(node) <= (4 + 10) * loops, node
-    claimed = plan["Plan"]["Actual Rows"]
-    assert claimed == 5 * 10  # every company got its cap, the busy one included
-
-    # The control: the claim before 0002, on its own index, reads past the whole backlog.
-    db_session.execute(text(bench_claim.BEFORE_0002_INDEX_DDL))
-    before = _explain_analyze(db_session, bench_claim.BEFORE_0002_SQL)
-    read_before = sum(
-        _rows_read(node)
-        for node, _ in _plan_nodes(before["Plan"])
-        if node.get("Relation Name") == "tasks" and "Index Cond" in node
-        and "c.id" in node["Index Cond"]
-    )  # fmt: skip
-    assert read_before >= BACKLOG + LIVE_LEASES, json.dumps(before, indent=1)
+    assert [t.id for t in claim(db_session, batch_size=100)] == tasks[:100]
+    assert [t.id for t in claim(db_session, batch_size=100)] == tasks[100:]
 
 
 def test_a_retried_task_queues_behind_work_that_became_eligible_before_it(
     db_session: Session, make_company: MakeCompany, make_task: MakeTask
 ) -> None:
-    """Within a company, eligible since orders the candidates; across companies, rank does.
+    """Within a company, eligible since orders the tasks; across companies, turns do.
 
     A's oldest task failed and was retried with backoff that ran out a minute ago: it has
     been eligible for a minute only, so A's two younger tasks (eligible since creation, 60
-    and 30 minutes ago) go first. B's stale lease has waited since its holder was last heard
-    of 20 minutes ago (its lease ran out 15 minutes ago), before B's pending tasks became
-    eligible. Across companies the rank comes first (DESIGN §1.3): every company's first
-    before anyone's second.
+    and 30 minutes ago) go first. B's expired lease, requeued by `expire_leases`, has waited
+    since its holder was last heard of 20 minutes ago, before B's pending tasks became
+    eligible (10 and 5 minutes ago), so it is B's first. A's work came due first, so A's
+    turn comes first.
     """
     a, b = make_company("a").id, make_company("b").id
 
@@ -386,12 +267,243 @@ def test_a_retried_task_queues_behind_work_that_became_eligible_before_it(
         created_at=ago(90),
         run_after=ago(90),
     ).id
+    assert [e.id for e in queue.expire_leases(db_session, stale_after=STALE)] == [stale]
 
-    # Rank 1: A's a1 (eligible 60 minutes), B's stale lease (20); then rank 2: a2 (30), b1
-    # (10); rank 3: b2 (5), the retried task (1). A short batch takes a prefix of that order.
+    # Turn 1: A's a1 (eligible 60 minutes), B's requeued task (20).
     assert [t.id for t in claim(db_session, batch_size=2)] == [a1, stale]
-    # Rank 1 now: a2, b1; rank 2: b2, then the retried task.
-    assert [t.id for t in claim(db_session)] == [a2, b1, b2, retried]
+    # Then, one task a turn: a2 (30), b1 (10), the retried task (1), b2 (5).
+    assert [t.id for t in claim(db_session)] == [a2, b1, retried, b2]
+
+
+# -- the plan: index ranges, never the whole backlog ---------------------------------------
+
+
+def _plan_nodes(
+    node: dict[str, Any], parents: tuple[str, ...] = ()
+) -> Iterator[tuple[dict[str, Any], tuple[str, ...]]]:
+    yield node, parents
+    for child in node.get("Plans", []):
+        yield from _plan_nodes(child, (*parents, node["Node Type"]))
+
+
+def _scans_of(plan: dict[str, Any], index: str) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
+    """The plan nodes that scan `index`, with their ancestors' node types."""
+    return [
+        (node, parents)
+        for node, parents in _plan_nodes(plan["Plan"])
+        if node.get("Index Name") == index
+    ]
+
+
+def _seq_scanned(plan: dict[str, Any]) -> set[str]:
+    """The relations a plan reads by sequential scan."""
+    return {
+        node["Relation Name"]
+        for node, _ in _plan_nodes(plan["Plan"])
+        if node["Node Type"] == "Seq Scan"
+    }
+
+
+def _claim_round(session: Session, batch_size: int) -> dict[str, Any]:
+    """The parameters of `_CLAIM` in a claim's first round, computed as `queue.claim` does.
+
+    Takes the claimers' lock and pins the plan first (`_SERIALIZE_CLAIMERS`), and promotes
+    due companies (`_CONTENDERS`), as the claim does before its `_CLAIM`.
+    """
+    connection = queue._driver(session)
+    connection.execute(queue._SERIALIZE_CLAIMERS, {"key": queue.CLAIM_LOCK_KEY})
+    contenders, credit = queue._contenders(connection, batch_size, exclude=[])
+    allocation = fair_share.allocate(contenders, batch_size, credit)
+    return queue.claim_parameters("plan:1", contenders, allocation)
+
+
+def _contenders_params(batch_size: int) -> dict[str, Any]:
+    return {"batch_size": batch_size, "promote_limit": queue.PROMOTE_LIMIT, "exclude": []}
+
+
+def _explain(
+    session: Session, sql: str, params: dict[str, Any], *, analyze: bool = False
+) -> dict[str, Any]:
+    """EXPLAIN (FORMAT JSON) of a claim statement on the claim's connection, effects undone.
+
+    With `analyze`, also ANALYZE and BUFFERS: the statement runs, in a savepoint rolled back.
+    The statement runs after `_SERIALIZE_CLAIMERS`, whose planner settings it is written for.
+    """
+    options = "ANALYZE, BUFFERS, FORMAT JSON" if analyze else "FORMAT JSON"
+    connection = queue._driver(session)
+    savepoint = session.begin_nested()
+    try:
+        connection.execute(queue._SERIALIZE_CLAIMERS, {"key": queue.CLAIM_LOCK_KEY})
+        row = connection.execute(f"EXPLAIN ({options}) {sql}", params).fetchone()
+    finally:
+        savepoint.rollback()
+    assert row is not None
+    result: dict[str, Any] = row[0][0]
+    return result
+
+
+def _rows_read(node: dict[str, Any]) -> float:
+    """Rows a scan node produced or filtered out, over all its loops."""
+    per_loop = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+    return float(per_loop * node["Actual Loops"])
+
+
+def _buffers(node: dict[str, Any]) -> int:
+    """Pages a node touched (cache hits and reads), over all its loops."""
+    return int(node["Shared Hit Blocks"] + node["Shared Read Blocks"])
+
+
+def _insert_leases(
+    session: Session, company_id: uuid.UUID, count: int, *, age_seconds: float
+) -> None:
+    """`count` processing tasks (created 3 days ago) whose lease started `age_seconds` ago."""
+    session.execute(
+        text(
+            "INSERT INTO tasks (company_id, type, payload, status, attempts, lease_token, "
+            "locked_by, locked_at, started_at, run_after, created_at, updated_at) "
+            "SELECT :company_id, 'noop', '{}', 'processing', 1, gen_random_uuid(), 'w:1', "
+            "now() - make_interval(secs => :age), now() - make_interval(secs => :age), "
+            "now() - interval '3 days', now() - interval '3 days', now() "
+            "FROM generate_series(1, :count)"
+        ),
+        {"company_id": company_id, "count": count, "age": float(age_seconds)},
+    )
+    session.commit()
+
+
+PENDING_INDEX = "ix_tasks_pending_company_run_after"
+PROCESSING_INDEX = "ix_tasks_processing_company_locked_at"
+RING_INDEX = "ix_company_queues_ring_position"
+
+
+def test_claim_plan_reads_each_company_as_an_index_range_cut_at_its_share(
+    db_session: Session, make_company: MakeCompany
+) -> None:
+    """Each company's tasks are one LIMITed range scan of its pending index, locked lazily.
+
+    `_CLAIM` reads ix_tasks_pending_company_run_after with `run_after <= now()` as an index
+    condition; the scan feeds LockRows and the Limit of the company's share directly (no Sort
+    anywhere), so a company costs at most its share of index entries however many rows it
+    has. `_CONTENDERS` walks the ring's index in order from the cursor, and counts leases
+    (for a company with a limit) from the company's own range of the processing index. Like a
+    live queue, each company has more finished history than pending work, some delayed work
+    and some leases; statistics are fresh, so the planner has every chance to do otherwise.
+    """
+    for i in range(20):
+        company = make_company(f"c{i}").id
+        history = insert_tasks(db_session, company, 1500, newest_age_seconds=3600)
+        db_session.execute(
+            text("UPDATE tasks SET status = 'completed', finished_at = now() WHERE id = ANY(:ids)"),
+            {"ids": history},
+        )
+        insert_tasks(db_session, company, 100)
+        insert_delayed_tasks(db_session, company, 200)
+        _insert_leases(db_session, company, 20, age_seconds=10)
+    db_session.execute(text("UPDATE companies SET max_in_flight = 50 WHERE name LIKE 'c1%'"))
+    db_session.execute(text("ANALYZE tasks, companies, company_queues"))
+    params = _claim_round(db_session, 100)
+
+    plan = _explain(db_session, queue._CLAIM, params)
+    scans = _scans_of(plan, PENDING_INDEX)
+    assert len(scans) == 1, json.dumps(plan, indent=1)
+    [(node, parents)] = scans
+    assert node["Node Type"] in ("Index Scan", "Index Only Scan"), node
+    assert (
+        node["Index Cond"]
+        == "((company_id = s.company_id) AND (run_after <= statement_timestamp()))"
+    )
+    # The range scan feeds the row locks and the share's LIMIT: it stops after the share.
+    assert parents[-2:] == ("Limit", "LockRows"), parents
+    # Nothing sorts the candidates (the top node sorts the claimed batch for handing out).
+    assert "Sort" not in parents[1:], parents
+    assert _seq_scanned(plan) <= {"claim_cursor"}  # one row
+
+    plan = _explain(db_session, queue._CONTENDERS, _contenders_params(100))
+    ring = _scans_of(plan, RING_INDEX)
+    assert len(ring) == 2, json.dumps(plan, indent=1)  # the rest of the lap, the lap's start
+    for node, parents in ring:
+        assert node["Index Cond"].startswith("(ring_position "), node
+        # Read in index order, as far as the LIMIT needs: nothing sorts the ring.
+        assert parents[0] == "Limit", parents
+        assert "Append" in parents and "Sort" not in parents, parents
+    assert _seq_scanned(plan) <= {"claim_cursor"}
+    leases = _scans_of(plan, PROCESSING_INDEX)
+    assert leases, json.dumps(plan, indent=1)
+    for node, parents in leases:
+        assert node["Index Cond"].startswith("(company_id = "), node
+        assert parents[-1] == "Limit", parents
+
+
+BACKLOG = 20_000
+LIVE_LEASES = 2_000
+
+
+def test_claim_cost_does_not_grow_with_a_tenants_delayed_backlog(
+    db_session: Session, make_company: MakeCompany
+) -> None:
+    """One tenant's 20,000 delayed tasks and 2,000 live leases are never read by a claim.
+
+    The claim's task scans read at most the company's share of entries and touch a few pages
+    per company: bounds that do not mention the backlog. Reading a company's pending tasks in
+    created_at order instead, filtering eligibility row by row (the claim before migration
+    0002), reads the whole backlog, which shows the workload exercises what the bound is
+    about. Counts and pages, not timings: EXPLAIN (ANALYZE, BUFFERS) reports what each scan
+    node read.
+    """
+    busy, *others = (make_company(f"c{i}").id for i in range(5))
+    insert_delayed_tasks(db_session, busy, BACKLOG)
+    _insert_leases(db_session, busy, LIVE_LEASES, age_seconds=10)
+    for company in (busy, *others):
+        insert_tasks(db_session, company, 30, newest_age_seconds=60)
+    db_session.execute(text("ANALYZE tasks, companies, company_queues"))
+    params = _claim_round(db_session, 100)
+    assert sorted(params["shares"]) == [20] * 5
+
+    plan = _explain(db_session, queue._CLAIM, params, analyze=True)
+    [(node, _)] = _scans_of(plan, PENDING_INDEX)
+    loops = node["Actual Loops"]
+    assert loops == 5, node  # once per company
+    assert node.get("Rows Removed by Filter", 0) == 0, node
+    assert _rows_read(node) <= 20 * loops, node
+    # A btree descent plus the heap pages of at most 20 rows (the test's rows are not
+    # all-visible, so an index-only scan still visits the heap): far below the ~100 index
+    # and ~300 heap pages the backlog and the leases occupy.
+    assert _buffers(node) <= (4 + 20) * loops, node
+    assert plan["Plan"]["Actual Rows"] == 100  # every company got its share, the busy one too
+    contenders = _explain(db_session, queue._CONTENDERS, _contenders_params(100), analyze=True)
+    assert not [
+        n for n, _ in _plan_nodes(contenders["Plan"]) if n.get("Relation Name") == "tasks"
+        and n["Actual Loops"] > 0
+    ], "no company has a limit: no lease is counted"  # fmt: skip
+
+    # The control: the created_at order, on an index made for it, reads the whole backlog.
+    db_session.execute(
+        text(
+            "CREATE INDEX ix_test_pending_created_at ON tasks (company_id, created_at) "
+            "WHERE status = 'pending'"
+        )
+    )
+    before = _explain(db_session, _CREATED_AT_ORDER, {}, analyze=True)
+    read_before = sum(
+        _rows_read(node)
+        for node, _ in _plan_nodes(before["Plan"])
+        if node.get("Index Name") == "ix_test_pending_created_at"
+    )
+    assert read_before >= BACKLOG, json.dumps(before, indent=1)
+
+
+# Each company's oldest runnable tasks by created_at, eligibility filtered row by row: the
+# candidate scan of the claim before migration 0002, shortened.
+_CREATED_AT_ORDER = """
+SELECT k.id
+FROM companies c
+CROSS JOIN LATERAL (
+    SELECT t.id FROM tasks t
+    WHERE t.company_id = c.id AND t.status = 'pending' AND t.run_after <= now()
+    ORDER BY t.created_at
+    LIMIT 20
+) k
+"""
 
 
 # -- locking -----------------------------------------------------------------------------
@@ -449,7 +561,7 @@ def test_concurrent_claimers_are_serialized_and_get_full_batches(
 
             def run() -> None:
                 with make_sessionmaker(claimers)() as session:
-                    results.append(claim(session, batch_size=100, per_company_cap=10))
+                    results.append(claim(session, batch_size=100))
 
             threads = [threading.Thread(target=run) for _ in range(2)]
             for thread in threads:
@@ -483,13 +595,12 @@ CREATE TRIGGER test_claim_gate BEFORE UPDATE ON tasks
     FOR EACH ROW EXECUTE FUNCTION test_claim_gate();
 """
 
-# Our claim without the predicate on the locked row: what the test must catch.
-_LOCKED_PREDICATE = """    WHERE (t.status = 'pending' AND t.run_after <= now())
-       OR (t.status = 'processing'
-           AND t.locked_at < now() - make_interval(secs => CAST(:stale_after AS float8))
-           AND t.attempts < t.max_attempts)
-    -- OF t"""
-_NAIVE_CLAIM = str(queue._CLAIM.text).replace(_LOCKED_PREDICATE, "    -- OF t")
+# Our claim without the row locks on the candidates: it updates what its snapshot saw, and
+# the UPDATE's own recheck (`t.id = l.id`) still holds for a row changed since. What the test
+# must catch.
+_ROW_LOCKS = "FOR UPDATE OF t SKIP LOCKED"
+_CLAIM = queue._CLAIM
+_NAIVE_CLAIM = _CLAIM.replace(_ROW_LOCKS, "")
 
 
 def _interfere(kind: str, session: Session, task: uuid.UUID, company: uuid.UUID) -> None:
@@ -498,43 +609,41 @@ def _interfere(kind: str, session: Session, task: uuid.UUID, company: uuid.UUID)
     if kind == "another claimer":
         # Another claimer's statement without the serializing advisory lock (as a claimer
         # that took no lock, or another deployment, would): it takes the task and commits.
-        params = {"worker_id": "other:1", "batch_size": 100, "per_company_cap": 10}
-        taken = session.execute(queue._CLAIM, {**params, "stale_after": STALE}).all()
-        assert [r.id for r in taken] == [task]
-    elif kind == "heartbeat":
-        lease = queue.Lease(task, session.execute(
-            text("SELECT lease_token FROM tasks WHERE id = :id"), {"id": task}
-        ).scalar_one())  # fmt: skip
-        assert queue.heartbeat(session, [lease]) == {task}
+        taken = (
+            queue._driver(session)
+            .execute(
+                _CLAIM,  # the real one, also while the gated claimer runs the naive one
+                {
+                    "worker_id": "other:1",
+                    "company_ids": [company],
+                    "shares": [1],
+                    "turns": [0],
+                    "first_turns": [1],
+                    "weights": [1],
+                    "cursor_position": 0,
+                    "cursor_credit": 0,
+                },
+            )
+            .fetchall()
+        )
+        assert [row[0] for row in taken] == [task]
     else:
         queue.cancel_task(session, company, task)
     session.commit()
 
 
 @contextmanager
-def _gated_claim(url: str, engine: Engine, sql: str | None) -> Iterator[list[list[Any]]]:
+def _gated_claim(url: str, engine: Engine) -> Iterator[list[list[uuid.UUID]]]:
     """Run a claim that pauses on its first row update; yield while it is paused."""
-    result: list[list[Any]] = []
-    # Hash and merge joins would lock every candidate before updating the first; nested
-    # loops lock and update one row at a time, which is what lets the gate pause in between.
-    gated = make_engine(
-        url,
-        application_name=GATED_APP,
-        connect_args={"options": "-c enable_hashjoin=off -c enable_mergejoin=off"},
-    )
+    result: list[list[uuid.UUID]] = []
+    gated = make_engine(url, application_name=GATED_APP)
     with engine.connect() as gate:
         gate.execute(text("SELECT pg_advisory_lock(:k)"), {"k": GATE_KEY})
         gate.commit()
 
         def run() -> None:
             with make_sessionmaker(gated)() as session:
-                if sql is None:
-                    result.append([t.id for t in claim(session)])
-                else:
-                    params = {"worker_id": GATED_APP, "batch_size": 100, "per_company_cap": 10}
-                    rows = session.execute(text(sql), {**params, "stale_after": STALE}).all()
-                    session.commit()
-                    result.append([r.id for r in rows])
+                result.append([t.id for t in claim(session)])
 
         thread = threading.Thread(target=run)
         thread.start()
@@ -548,58 +657,47 @@ def _gated_claim(url: str, engine: Engine, sql: str | None) -> Iterator[list[lis
             gated.dispose()
 
 
-@pytest.mark.parametrize("interference", ["another claimer", "heartbeat", "cancel"])
+@pytest.mark.parametrize("interference", ["another claimer", "cancel"])
 def test_a_claim_whose_snapshot_predates_another_commit_never_takes_that_row(
-    fresh_engine: Engine, fresh_db_url: str, interference: str
+    fresh_engine: Engine, fresh_db_url: str, interference: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The full eligibility predicate on the locked row drops rows changed after the snapshot.
+    """Locking a candidate re-evaluates its quals on the newest version (EvalPlanQual).
 
     Construction: a test-only BEFORE UPDATE trigger makes the gated claimer wait on an
     advisory lock the test holds. The claim locks and updates its candidates one at a time
-    in (rank, created_at) order, so it pauses while updating W, after its snapshot saw X as
-    eligible and before it locks X. Meanwhile another actor changes X and commits (another
-    claimer takes it, its holder heartbeats it, the API cancels it). When the gate opens,
-    locking X finds a version newer than the snapshot; READ COMMITTED re-evaluates the
-    locking query's quals on it (EvalPlanQual), which must reject it. (The gated session
-    disables hash and merge joins so its plan locks and updates one row at a time.) The
-    second phase runs
-    the same interleaving with the predicate removed from the locked row and shows that it
-    does take X: the construction really exercises the race.
+    (its plan is pinned to nested loops, and the locked candidates are read lazily), so it
+    pauses while updating W, after its snapshot saw X as pending and before it locks X.
+    Meanwhile another actor changes X and commits (another claimer takes it, the API cancels
+    it). When the gate opens, locking X finds a version newer than the snapshot; READ
+    COMMITTED re-evaluates the locking query's quals (`status = 'pending'`) on it, which
+    rejects it. The second phase runs the same interleaving with the row locks removed from
+    the claim and shows that it does take X: the construction really exercises the race.
     """
     sessions = make_sessionmaker(fresh_engine)
     with sessions() as setup:
         setup.execute(text(_GATE_TRIGGER))
         setup.commit()
         company = insert_company(setup).id
-    assert queue._CLAIM.text != _NAIVE_CLAIM, "the locked-row predicate moved; update the test"
+    assert _ROW_LOCKS in _CLAIM, "the claim's row locks moved; update the test"
 
-    for sql, x_is_taken in ((None, False), (_NAIVE_CLAIM, True)):
+    for naive, x_is_taken in ((False, False), (True, True)):
+        if naive:
+            monkeypatch.setattr(queue, "_CLAIM", _NAIVE_CLAIM)
         with sessions() as setup:
             setup.execute(text("TRUNCATE tasks"))
             setup.commit()
-            # W is the older eligible work (runnable since its creation, as the API leaves a
-            # task), so the gated claim updates it first and pauses before reaching X.
+            # W is the older eligible work, so the gated claim updates it first and pauses
+            # before reaching X.
             two_hours_ago = text("now() - interval '2 hours'")
             w = insert_task(setup, company, created_at=two_hours_ago, run_after=two_hours_ago).id
-            if interference == "heartbeat":
-                x = insert_task(
-                    setup,
-                    company,
-                    status="processing",
-                    attempts=1,
-                    lease_token=uuid.uuid4(),
-                    locked_by="holder:1",
-                    locked_at=text("now() - interval '1 hour'"),
-                ).id
-            else:
-                an_hour_ago = text("now() - interval '1 hour'")
-                x = insert_task(setup, company, created_at=an_hour_ago, run_after=an_hour_ago).id
-        with _gated_claim(fresh_db_url, fresh_engine, sql) as result, sessions() as other:
+            an_hour_ago = text("now() - interval '1 hour'")
+            x = insert_task(setup, company, created_at=an_hour_ago, run_after=an_hour_ago).id
+        with _gated_claim(fresh_db_url, fresh_engine) as result, sessions() as other:
             _interfere(interference, other, x, company)
         assert result, "the gated claim did not finish"
         claimed_by_gated = result[0]
         assert claimed_by_gated[0] == w
-        assert (x in claimed_by_gated) is x_is_taken, (sql is not None, claimed_by_gated)
+        assert (x in claimed_by_gated) is x_is_taken, (naive, claimed_by_gated)
 
 
 # -- many claimers at once: threads and processes ----------------------------------------
@@ -612,7 +710,7 @@ def _claim_until_empty(sessions: Callable[[], Session], worker_id: str) -> list[
     claimed: list[str] = []
     with sessions() as session:
         while True:
-            batch = claim(session, worker_id=worker_id, batch_size=50, per_company_cap=10)
+            batch = claim(session, worker_id=worker_id, batch_size=50)
             if not batch:
                 return claimed
             claimed.extend(str(t.id) for t in batch)
@@ -654,7 +752,8 @@ def test_concurrent_threads_and_processes_never_claim_a_task_twice(fresh_db_url:
             companies = [insert_company(setup, f"c{i}").id for i in range(25)]
         for _ in range(REPETITIONS):
             with sessions() as setup:
-                # Many equal created_at values: ties must not break exclusivity either.
+                # One run_after for all (the statement's now()): ties in the claim's order
+                # must not break exclusivity either.
                 setup.execute(
                     text(
                         "INSERT INTO tasks (company_id, type, payload, created_at) "

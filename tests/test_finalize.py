@@ -1,4 +1,4 @@
-"""Fenced finalization, heartbeat, the poison-pill sweep and backoff (DESIGN §1.4, §4)."""
+"""Fenced finalization, heartbeat, expired leases and poison pills, backoff (DESIGN §1.4, §4)."""
 
 from __future__ import annotations
 
@@ -30,14 +30,13 @@ def lease(task: Task) -> queue.Lease:
 
 
 def take_over(session: Session, task: Task) -> queue.ClaimedTask:
-    """Let `task`'s lease expire and have another worker claim it; return the new claim."""
+    """Let `task`'s lease expire, requeue it and have another worker claim it; return that."""
     session.execute(
         text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
         {"id": task.id},
     )
-    [claimed] = queue.claim(
-        session, worker_id="new:2", batch_size=10, per_company_cap=10, stale_after=60
-    )
+    assert [e.id for e in queue.expire_leases(session, stale_after=60)] == [task.id]
+    [claimed] = queue.claim(session, worker_id="new:2", batch_size=10)
     session.commit()
     assert claimed.id == task.id
     return claimed
@@ -116,9 +115,7 @@ def test_release_restores_attempts_and_keeps_run_after(
         make_task(company, run_after=text(f"now() - interval '{n} minutes'")) for n in (3, 2, 1)
     ]
     before = {t.id: fetch(db_session, t.id) for t in tasks}
-    claimed = queue.claim(
-        db_session, worker_id="w:1", batch_size=10, per_company_cap=10, stale_after=300
-    )
+    claimed = queue.claim(db_session, worker_id="w:1", batch_size=10)
     assert {t.attempts for t in claimed} == {1}
 
     assert queue.release_tasks(db_session, [t.lease for t in claimed]) == {t.id for t in tasks}
@@ -188,49 +185,79 @@ def test_heartbeat_refreshes_only_the_leases_still_held(
     assert queue.heartbeat(db_session, []) == set()
 
 
-# -- poison pills ------------------------------------------------------------------------
+# -- expired leases and poison pills ------------------------------------------------------
 
 
 def test_a_task_whose_worker_dies_every_time_ends_failed_after_max_attempts(
     db_session: Session, make_company: MakeCompany, make_task: MakeTask
 ) -> None:
-    """Each claim counts an attempt; the sweep fails the task once none are left."""
+    """Each claim counts an attempt; expiry requeues the task until none are left, then fails it."""
     company = make_company().id
     task = make_task(company, max_attempts=3)
     expire = text("UPDATE tasks SET locked_at = now() - interval '10 minutes' WHERE id = :id")
     for attempt in (1, 2, 3):
-        assert queue.fail_lost_tasks(db_session, stale_after=300) == []
-        [claimed] = queue.claim(
-            db_session, worker_id=f"doomed:{attempt}", batch_size=1, per_company_cap=1,
-            stale_after=300,
-        )  # fmt: skip
+        [claimed] = queue.claim(db_session, worker_id=f"doomed:{attempt}", batch_size=1)
         assert claimed.attempts == attempt
         db_session.execute(expire, {"id": task.id})  # the worker dies; its lease expires
-
-    assert (
-        queue.claim(db_session, worker_id="w", batch_size=1, per_company_cap=1, stale_after=300)
-        == []
-    )
-    [lost] = queue.fail_lost_tasks(db_session, stale_after=300)
+        [expired] = queue.expire_leases(db_session, stale_after=300)
+        assert (expired.id, expired.attempts, expired.locked_by) == (
+            task.id, attempt, f"doomed:{attempt}",
+        )  # fmt: skip
+        assert expired.failed is (attempt == 3)
 
     stored = fetch(db_session, task.id)
-    assert (lost.id, lost.type, lost.attempts, lost.locked_by) == (task.id, "noop", 3, "doomed:3")
     assert stored["status"] == "failed"
+    assert stored["attempts"] == 3
     assert stored["finished_at"] is not None
     assert stored["last_error"] == (
         "worker lost (lease expired) after 3 attempts (last holder doomed:3)"
     )
-    assert stored["lease_token"] is stored["locked_at"] is None
-    assert queue.fail_lost_tasks(db_session, stale_after=300) == []
+    assert stored["lease_token"] is stored["locked_by"] is stored["locked_at"] is None
+    assert queue.claim(db_session, worker_id="w", batch_size=1) == []
+    assert queue.expire_leases(db_session, stale_after=300) == []
 
 
-def test_the_sweep_leaves_live_leases_and_tasks_with_attempts_left(
+def test_expire_leases_leaves_live_leases_alone(
     db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
 ) -> None:
     company = make_company().id
-    claimed_task(company, attempts=5, max_attempts=5)  # last attempt, still alive
-    claimed_task(company, attempts=1, locked_at=text("now() - interval '1 hour'"))
-    assert queue.fail_lost_tasks(db_session, stale_after=300) == []
+    live = claimed_task(company, attempts=5, max_attempts=5)  # last attempt, still alive
+    almost = claimed_task(company, locked_at=text("now() - interval '299 seconds'"))
+
+    assert queue.expire_leases(db_session, stale_after=300) == []
+
+    for task in (live, almost):
+        stored = fetch(db_session, task.id)
+        assert (stored["status"], stored["lease_token"]) == ("processing", task.lease_token)
+
+
+def test_expire_leases_requeues_a_task_with_attempts_left_and_keeps_its_history(
+    db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
+) -> None:
+    company = make_company().id
+    task = claimed_task(
+        company,
+        attempts=2,
+        locked_by="gone:7",
+        locked_at=text("now() - interval '1 hour'"),
+        started_at=text("now() - interval '2 hours'"),
+        last_error="HTTP 503",
+    )
+    before = fetch(db_session, task.id)
+
+    [expired] = queue.expire_leases(db_session, stale_after=300)
+
+    assert expired == queue.ExpiredLease(task.id, company, "noop", 2, "gone:7", False)
+    stored = fetch(db_session, task.id)
+    assert stored["status"] == "pending"
+    assert stored["attempts"] == 2  # crashes count
+    assert stored["run_after"] == before["locked_at"]  # first in its company's line
+    assert stored["started_at"] == before["started_at"]
+    assert stored["last_error"] == "HTTP 503"
+    assert stored["finished_at"] is None
+    assert stored["lease_token"] is stored["locked_by"] is stored["locked_at"] is None
+    # The old holder's lease is fenced off.
+    assert queue.complete_task(db_session, task.id, lease(task).token) is False
 
 
 # -- backoff -----------------------------------------------------------------------------

@@ -33,6 +33,15 @@ SCHEMA_SNAPSHOT = text(
     UNION ALL
     SELECT 'constraint', conrelid::regclass || '.' || conname, pg_get_constraintdef(oid)
       FROM pg_constraint WHERE connamespace = 'public'::regnamespace
+    UNION ALL
+    SELECT 'trigger', tgrelid::regclass || '.' || tgname, pg_get_triggerdef(oid)
+      FROM pg_trigger WHERE NOT tgisinternal
+    UNION ALL
+    SELECT 'function', proname, md5(prosrc)
+      FROM pg_proc WHERE pronamespace = 'public'::regnamespace
+    UNION ALL
+    SELECT 'sequence', sequencename, concat_ws(' ', data_type, start_value, increment_by)
+      FROM pg_sequences WHERE schemaname = 'public'
     ORDER BY 1, 2
     """
 )
@@ -129,6 +138,61 @@ def test_downgrade_base_then_upgrade_head_round_trips(
 
     command.upgrade(config, "head")
     assert snapshot(empty_db_url) == snapshot(migrated_url)
+
+
+# Migration 0003 keeps `company_queues` true whatever writes `tasks` (db/models.py
+# `CompanyQueue`): these triggers, and the functions they run, are part of the schema.
+FAIR_CLAIM_TRIGGERS = {
+    ("companies", "companies_add_queue", "fairq_add_company_queue"),
+    ("tasks", "tasks_pending_inserted", "fairq_note_pending_inserted"),
+    ("tasks", "tasks_pending_updated", "fairq_note_pending_updated"),
+}
+
+TRIGGERS = text(
+    """
+    SELECT t.tgrelid::regclass::text, t.tgname, p.proname
+    FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
+    WHERE NOT t.tgisinternal AND t.tgenabled = 'O'
+    """
+)
+
+
+def test_the_fair_claim_triggers_exist_and_are_enabled_after_upgrade(
+    migrated_engine: Engine,
+) -> None:
+    with migrated_engine.connect() as conn:
+        triggers = {tuple(row) for row in conn.execute(TRIGGERS)}
+
+    assert triggers == FAIR_CLAIM_TRIGGERS
+
+
+def test_downgrading_the_fair_claim_removes_its_triggers_functions_and_tables(
+    empty_db_url: str,
+) -> None:
+    config = pg.alembic_config(empty_db_url)
+    command.upgrade(config, "0003")
+    command.downgrade(config, "0002")
+
+    with connect(empty_db_url) as conn:
+        assert list(conn.execute(TRIGGERS)) == []
+        functions = conn.execute(
+            text("SELECT proname FROM pg_proc WHERE pronamespace = 'public'::regnamespace")
+        ).scalars()
+        assert list(functions) == []
+        leftovers = conn.execute(
+            text(
+                "SELECT relname FROM pg_class WHERE relnamespace = 'public'::regnamespace "
+                "AND relname IN ('company_queues', 'claim_cursor', 'company_ring_positions')"
+            )
+        ).scalars()
+        assert list(leftovers) == []
+        columns = conn.execute(
+            text(
+                "SELECT column_name FROM information_schema.columns "
+                "WHERE table_name = 'companies' AND column_name IN ('weight', 'max_in_flight')"
+            )
+        ).scalars()
+        assert list(columns) == []
 
 
 def test_alembic_check_finds_no_difference_between_models_and_migrations(

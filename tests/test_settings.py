@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from api.settings import ApiSettings
+from worker import cli
 from worker.settings import SettingsError, WorkerSettings
 
 URL = "postgresql+psycopg://fairq@db.example/fairq"
@@ -97,7 +98,6 @@ def test_worker_settings_need_database_url() -> None:
         ("WORKER_CONCURRENCY", "two"),
         ("WORKER_CONCURRENCY", "1.5"),
         ("WORKER_BATCH_SIZE", "0"),
-        ("WORKER_PER_COMPANY_CAP", "-1"),
         ("WORKER_POLL_INTERVAL", "nan"),
         ("WORKER_POLL_INTERVAL", "inf"),
         ("WORKER_POLL_INTERVAL", "0"),
@@ -124,7 +124,6 @@ def test_worker_settings_defaults() -> None:
     assert settings.database_url == URL
     assert settings.concurrency == 2
     assert settings.batch_size == 100
-    assert settings.per_company_cap == 10
     assert settings.poll_interval == 1.0
     assert settings.stale_after == 300.0
     assert settings.effective_heartbeat_interval == 60.0
@@ -140,7 +139,6 @@ def test_worker_settings_read_every_variable() -> None:
             "DATABASE_URL": URL,
             "WORKER_CONCURRENCY": "4",
             "WORKER_BATCH_SIZE": "50",
-            "WORKER_PER_COMPANY_CAP": "5",
             "WORKER_POLL_INTERVAL": "0.25",
             "STALE_AFTER_SECONDS": "100",
             "SHUTDOWN_TIMEOUT_SECONDS": "5",
@@ -152,7 +150,7 @@ def test_worker_settings_read_every_variable() -> None:
         }
     )
 
-    assert (settings.concurrency, settings.batch_size, settings.per_company_cap) == (4, 50, 5)
+    assert (settings.concurrency, settings.batch_size) == (4, 50)
     assert (settings.poll_interval, settings.stale_after) == (0.25, 100.0)
     assert settings.effective_heartbeat_interval == 20.0
     assert (settings.shutdown_timeout, settings.metrics_port) == (5.0, 9200)
@@ -160,6 +158,21 @@ def test_worker_settings_read_every_variable() -> None:
     assert settings.log_level == "DEBUG"
     assert settings.handler_config.smtp_url == "smtp://mail:1025"
     assert settings.handler_config.webhook_allow_private is True
+
+
+def test_the_per_company_cap_is_gone_from_settings_and_flags() -> None:
+    """The claim is work-conserving: a lone company fills whole batches, nothing caps it.
+
+    A leftover WORKER_PER_COMPANY_CAP in an old environment is not read (so it cannot stop
+    a worker from starting), and `--per-company-cap` is no longer a flag.
+    """
+    settings = WorkerSettings.from_env({"DATABASE_URL": URL, "WORKER_PER_COMPANY_CAP": "-1"})
+
+    assert not hasattr(settings, "per_company_cap")
+    assert "WORKER_PER_COMPANY_CAP" not in {flag.variable for flag in cli.FLAGS}
+    with pytest.raises(SystemExit) as exited:
+        cli.build_parser().parse_args(["--per-company-cap", "10"])
+    assert exited.value.code == 2
 
 
 @pytest.mark.parametrize(

@@ -144,7 +144,7 @@ def test_sigterm_finishes_the_task_in_hand_and_releases_the_rest(
     )
     rest = harness.add_tasks(fresh_engine, company, 9, age_seconds=30)
     sup = supervisor(
-        "--concurrency", "1", "--batch-size", "10", "--per-company-cap", "10",
+        "--concurrency", "1", "--batch-size", "10",
         SHUTDOWN_TIMEOUT_SECONDS="10",
     )  # fmt: skip
     wait_for(

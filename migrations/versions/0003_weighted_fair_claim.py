@@ -59,6 +59,13 @@ BEGIN
     PERFORM pg_advisory_xact_lock_shared({WAKE_LOCK_NAMESPACE}, n.bucket)
     FROM (SELECT DISTINCT {_BUCKET.format("company_id")} AS bucket
           FROM new_tasks WHERE status = 'pending') n;
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        -- This transaction's snapshot may predate a claimer's settle: locking the row
+        -- turns that into a serialization failure (the writer retries), not a lost wake-up.
+        PERFORM 1 FROM company_queues q
+        WHERE q.company_id IN (SELECT company_id FROM new_tasks WHERE status = 'pending')
+        FOR SHARE;
+    END IF;
     UPDATE company_queues q
     SET due_at = n.due_at
     FROM (SELECT company_id, min(run_after) AS due_at
@@ -68,13 +75,18 @@ BEGIN
     RETURN NULL;
 END
 $$
-"""
+"""  # noqa: S608  (constants only, no input)
 
 _NOTE_PENDING_UPDATE = f"""
 CREATE FUNCTION fairq_note_pending_updated() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM pg_advisory_xact_lock_shared({WAKE_LOCK_NAMESPACE}, {_BUCKET.format("NEW.company_id")});
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        -- This transaction's snapshot may predate a claimer's settle: locking the row
+        -- turns that into a serialization failure (the writer retries), not a lost wake-up.
+        PERFORM 1 FROM company_queues q WHERE q.company_id = NEW.company_id FOR SHARE;
+    END IF;
     UPDATE company_queues q
     SET due_at = NEW.run_after
     WHERE q.company_id = NEW.company_id
@@ -82,7 +94,7 @@ BEGIN
     RETURN NULL;
 END
 $$
-"""
+"""  # noqa: S608  (constants only, no input)
 
 _ADD_COMPANY_QUEUE = """
 CREATE FUNCTION fairq_add_company_queue() RETURNS trigger
