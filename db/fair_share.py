@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Contender:
-    """A ready company, as the claim sees it.
+class Contender(NamedTuple):
+    """A ready company, as the claim sees it (a tuple: a claim builds up to a batch of them).
 
     `headroom` is how many more leases it may hold: `max_in_flight` minus its `processing`
     tasks, at least 1 (the claim passes over the others), or None when it has no limit.
@@ -68,8 +68,9 @@ def allocate(contenders: list[Contender], slots: int, credit: int) -> Allocation
     least one task; the shares add up to `min(slots, sum of headrooms)`.
     """
     taken = [0] * len(contenders)
-    turn_order: dict[uuid.UUID, int] = {}
-    first_turns: dict[uuid.UUID, int] = {}
+    turn_of = [-1] * len(contenders)
+    first_turn = [0] * len(contenders)
+    turns = 0
     left = slots
     cursor = Cursor(contenders[0].ring_position - 1, 0) if contenders else Cursor(0, 0)
     queue = [i for i, c in enumerate(contenders) if c.headroom is None or c.headroom > 0]
@@ -79,8 +80,9 @@ def allocate(contenders: list[Contender], slots: int, credit: int) -> Allocation
         i = queue[at]
         contender = contenders[i]
         quantum = quantum or contender.weight
-        turn_order.setdefault(contender.company_id, len(turn_order))
-        first_turns.setdefault(contender.company_id, quantum)
+        if turn_of[i] < 0:
+            turn_of[i], first_turn[i] = turns, quantum
+            turns += 1
         room = left if contender.headroom is None else contender.headroom - taken[i]
         give = min(quantum, room, left)
         taken[i] += give
@@ -100,10 +102,9 @@ def allocate(contenders: list[Contender], slots: int, credit: int) -> Allocation
             at += 1
         if queue:
             at %= len(queue)
-    shares = {
-        c.company_id: (taken[i], turn_order[c.company_id])
-        for i, c in enumerate(contenders)
-        if taken[i] > 0
-    }
-    first_turns = {company: n for company, n in first_turns.items() if company in shares}
-    return Allocation(shares, first_turns, cursor)
+    served = [i for i, n in enumerate(taken) if n > 0]
+    return Allocation(
+        {contenders[i].company_id: (taken[i], turn_of[i]) for i in served},
+        {contenders[i].company_id: first_turn[i] for i in served},
+        cursor,
+    )

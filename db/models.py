@@ -124,6 +124,10 @@ class CompanyQueue(Base):
     due_at: Mapped[dt.datetime | None] = mapped_column(Timestamp)
     ready: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
     ring_position: Mapped[int | None] = mapped_column(BigInteger)
+    # Copies of companies.weight and max_in_flight, kept by triggers: the claim reads them
+    # with the ring, without a join (100 primary-key probes a claim).
+    weight: Mapped[int] = mapped_column(nullable=False, server_default=text("1"))
+    max_in_flight: Mapped[int | None] = mapped_column()
 
     __table_args__ = (
         # The ring of ready companies, walked from the claim cursor.

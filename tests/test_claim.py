@@ -425,7 +425,8 @@ def test_claim_plan_reads_each_company_as_an_index_range_cut_at_its_share(
         assert node["Index Cond"].startswith("(ring_position "), node
         # Read in index order, as far as the LIMIT needs: nothing sorts the ring.
         assert parents[0] == "Limit", parents
-        assert "Append" in parents and "Sort" not in parents, parents
+        assert "Append" in parents, parents
+        assert "Sort" not in parents, parents
     assert _seq_scanned(plan) <= {"claim_cursor"}
     leases = _scans_of(plan, PROCESSING_INDEX)
     assert leases, json.dumps(plan, indent=1)

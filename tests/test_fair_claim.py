@@ -1291,3 +1291,19 @@ def test_tasks_written_while_the_upgrade_runs_are_not_missed_by_the_backfill(
     finally:
         for engine in (watch, early, late):
             engine.dispose()
+
+
+def test_a_companys_weight_and_limit_reach_the_claim_when_changed(db_session: Session) -> None:
+    """The claim reads weight and max_in_flight from company_queues, copied by triggers."""
+    company = insert_company(db_session, "copied").id
+    copies = text("SELECT weight, max_in_flight FROM company_queues WHERE company_id = :c")
+    assert db_session.execute(copies, {"c": company}).one() == (1, None)
+
+    db_session.execute(
+        text("UPDATE companies SET weight = 7, max_in_flight = 2 WHERE id = :c"), {"c": company}
+    )
+    assert db_session.execute(copies, {"c": company}).one() == (7, 2)
+
+    for _ in range(5):
+        insert_task(db_session, company)
+    assert len(claim(db_session)) == 2  # its limit, read through the copy

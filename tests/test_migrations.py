@@ -144,6 +144,7 @@ def test_downgrade_base_then_upgrade_head_round_trips(
 # `CompanyQueue`): these triggers, and the functions they run, are part of the schema.
 FAIR_CLAIM_TRIGGERS = {
     ("companies", "companies_add_queue", "fairq_add_company_queue"),
+    ("companies", "companies_copy_limits", "fairq_copy_company_limits"),
     ("tasks", "tasks_pending_inserted", "fairq_note_pending_inserted"),
     ("tasks", "tasks_pending_updated", "fairq_note_pending_updated"),
 }

@@ -8,7 +8,8 @@
 - `claim_cursor`: the one row saying where the next claim continues the ring.
 - Triggers keep `company_queues` true whatever writes `tasks` (the API, workers, an older
   release during a rolling deploy, an operator's SQL):
-  * AFTER INSERT ON companies: the company's `company_queues` row.
+  * AFTER INSERT ON companies: the company's `company_queues` row; AFTER UPDATE OF weight,
+    max_in_flight: their copies in it (the claim reads them with the ring, without a join).
   * AFTER INSERT ON tasks, per statement: for each company with new pending rows, take the
     company's wake-up lock in shared mode, then lower `due_at` to the earliest new
     `run_after` if it is later (or NULL).
@@ -100,7 +101,20 @@ _ADD_COMPANY_QUEUE = """
 CREATE FUNCTION fairq_add_company_queue() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO company_queues (company_id) VALUES (NEW.id);
+    INSERT INTO company_queues (company_id, weight, max_in_flight)
+    VALUES (NEW.id, NEW.weight, NEW.max_in_flight);
+    RETURN NULL;
+END
+$$
+"""
+
+_COPY_COMPANY_LIMITS = """
+CREATE FUNCTION fairq_copy_company_limits() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE company_queues
+    SET weight = NEW.weight, max_in_flight = NEW.max_in_flight
+    WHERE company_id = NEW.id;
     RETURN NULL;
 END
 $$
@@ -127,6 +141,8 @@ def upgrade() -> None:
         sa.Column("due_at", postgresql.TIMESTAMP(timezone=True), nullable=True),
         sa.Column("ready", sa.Boolean(), server_default=sa.text("false"), nullable=False),
         sa.Column("ring_position", sa.BigInteger(), nullable=True),
+        sa.Column("weight", sa.Integer(), server_default=sa.text("1"), nullable=False),
+        sa.Column("max_in_flight", sa.Integer(), nullable=True),
         sa.ForeignKeyConstraint(
             ["company_id"],
             ["companies.id"],
@@ -157,12 +173,17 @@ def upgrade() -> None:
     )
     op.execute("INSERT INTO claim_cursor DEFAULT VALUES")
     op.execute(_ADD_COMPANY_QUEUE)
+    op.execute(_COPY_COMPANY_LIMITS)
     op.execute(_NOTE_PENDING_INSERT)
     op.execute(_NOTE_PENDING_UPDATE)
     # The triggers before the backfill: from here on every write to tasks waits for commit.
     op.execute(
         "CREATE TRIGGER companies_add_queue AFTER INSERT ON companies "
         "FOR EACH ROW EXECUTE FUNCTION fairq_add_company_queue()"
+    )
+    op.execute(
+        "CREATE TRIGGER companies_copy_limits AFTER UPDATE OF weight, max_in_flight "
+        "ON companies FOR EACH ROW EXECUTE FUNCTION fairq_copy_company_limits()"
     )
     op.execute(
         "CREATE TRIGGER tasks_pending_inserted AFTER INSERT ON tasks "
@@ -179,11 +200,12 @@ def upgrade() -> None:
     # every company whose due_at has come.
     op.execute(
         """
-        INSERT INTO company_queues (company_id, due_at)
+        INSERT INTO company_queues (company_id, due_at, weight, max_in_flight)
         SELECT c.id,
                (SELECT t.run_after FROM tasks t
                 WHERE t.company_id = c.id AND t.status = 'pending'
-                ORDER BY t.run_after LIMIT 1)
+                ORDER BY t.run_after LIMIT 1),
+               c.weight, c.max_in_flight
         FROM companies c
         """
     )
@@ -192,9 +214,11 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.execute("DROP TRIGGER tasks_pending_updated ON tasks")
     op.execute("DROP TRIGGER tasks_pending_inserted ON tasks")
+    op.execute("DROP TRIGGER companies_copy_limits ON companies")
     op.execute("DROP TRIGGER companies_add_queue ON companies")
     op.execute("DROP FUNCTION fairq_note_pending_updated()")
     op.execute("DROP FUNCTION fairq_note_pending_inserted()")
+    op.execute("DROP FUNCTION fairq_copy_company_limits()")
     op.execute("DROP FUNCTION fairq_add_company_queue()")
     op.drop_table("claim_cursor")
     op.drop_index("ix_company_queues_waiting_due_at", table_name="company_queues")
