@@ -1,35 +1,51 @@
-"""Time our claim against the claim it replaced and the floor, side by side (DESIGN §4, §9).
+"""Time our claim against the previous claim and the floor, per tenant shape (issue 9).
 
-Variants, each claiming batch 100 with at most 10 per company:
-- ours: `db.queue.claim` as workers run it (advisory lock + `SET LOCAL jit = off`, then the
-  per-company "eligible since" merge of two index range scans, driven by `companies`), and its
-  claim statement alone;
-- before 0002: our claim statement as it was before migration 0002 (one scan per company of
-  `ix_tasks_claimable (company_id, created_at)` in created_at order, filtering eligibility row
-  by row). Its index is created for the run (untimed, exactly as migration 0001 built it) and
-  dropped afterwards, so while timing, every variant's UPDATE maintains both index sets;
-- floor: lock and update 100 known ids (the ids our claim picks), the cost of the write alone;
-- with `--shapes` also the shapes DESIGN §4 measured first, in our order: window (a global
-  `ROW_NUMBER() OVER (PARTITION BY company_id ...)` over every eligible row) and distinct
-  (our per-company merge, driven by `SELECT DISTINCT company_id` over eligible rows). Slow:
-  seconds per run at 1M rows.
+Variants, each claiming a batch of 100 in a transaction that is rolled back afterwards:
+- ours: `db.queue.claim(session, worker_id=..., batch_size=100)` exactly as workers run it,
+  every statement included (the claimers' advisory lock first), timed as a whole; the time
+  of each of its statements is recorded too, at the driver (a psycopg cursor class that
+  logs each execute: a few microseconds);
+- previous: the claim of commit f2958cf, embedded below (its lock statement, then one
+  statement: per-company top-K driven by the `companies` table, at most 10 per company,
+  pending work merged with stale leases), with its parameters (cap 10, stale after 300 s),
+  through the SQLAlchemy session as it ran; it reads only the indexes of migration 0002,
+  which still exist;
+- floor: lock (`FOR UPDATE SKIP LOCKED`) and update the 100 ids ours picks, with the SET
+  list of our claim, in one statement sent straight to psycopg: the cost of the write alone.
 
-Scenarios: the reference workload at `--rows` (100k by default); with `--delayed-backlog N`
-also `--rows` plus N pending rows of one light company runnable only tomorrow, created before
-everything else (`scripts/perf_seed.py`); with `--million` also 1M rows.
+Shapes (`scripts/perf_seed.py`: `--rows` pending noop tasks spread evenly over the companies
+with work, `--delayed-fraction` of them runnable only tomorrow, every company with runnable
+work made ready by the claim itself): 1 company; 50 companies, all with work; 2,000, all
+with work; 20,000 registered, 200 with work; 20,000, all with work. `--companies N --active
+M` runs one shape instead; `--million` runs them at 1,000,000 rows too. The goal: ours at
+most 1.5x the floor in every shape, at 100k and at 1M rows.
 
-Every run is its own transaction, rolled back, and the table is vacuumed (untimed) before each
-run so every variant starts from the same visibility map. Variants take turns run by run, so
-background load spreads evenly; the load average is printed with each table. JIT is off for
-every variant, so the comparison is between query shapes. After a warm-up, the median of
-`--runs` runs is reported with ratios against the floor and against ours. Our batch is checked
-against the window query (the definition, computed by brute force, untimed) and compared with
-the batch the claim before 0002 picks (they differ where retried or scheduled tasks are
-eligible: the order changed from created_at to eligible since).
+Method: each shape is seeded (or reused with `--reuse` when the database holds it already:
+it holds one shape, the last one seeded, so that pays off when one shape is run again),
+VACUUM ANALYZEd, then checked untimed (ours claims min(100, runnable) tasks, the previous
+claim min(100, the sum over companies of min(10, eligible)), the floor every id it is
+given, in order). Each timed run is one transaction, rolled back, on a freshly vacuumed
+database (every variant starts from the same visibility map); the variants take turns run
+by run, a different one first each round, so background load falls on all alike. After
+`--warmup` rounds, the median of `--runs` is reported, with the ratios to the floor, the
+batch sizes and the load average.
+
+Prepared statements: a worker commits its claims, so psycopg prepares each statement on its
+sixth execution and PostgreSQL may then settle on a generic plan (after five custom ones).
+psycopg forgets its prepared statements on rollback, so here ROLLBACK goes to the libpq
+connection underneath (`rollback`), and the ten warm-up rounds reach that steady state.
+`--replan` rolls back through psycopg instead: every statement is parsed and planned on
+every run, as in the benchmark before this one.
+
+`--explain`: EXPLAIN (ANALYZE, BUFFERS) of every statement ours ran, replayed with the very
+parameters it used (unprepared: planning time included), and of the previous claim, then
+each prepared statement's count of generic and custom plans. Timings are printed, never
+asserted; a failed check makes the exit status 1.
 
 Usage:
-    PYTHONPATH=. .venv/bin/python scripts/bench_claim.py [--rows 100000] [--million]
-        [--delayed-backlog 300000] [--runs 9] [--reuse] [--explain] [--shapes]
+    PYTHONPATH=. .venv/bin/python scripts/bench_claim.py [--companies N --active M]
+        [--rows 100000] [--million] [--delayed-fraction 0.2] [--runs 11] [--warmup 10]
+        [--replan] [--reuse] [--explain] [--seed 42]
         [--database-url postgresql+psycopg://postgres@127.0.0.1:5432/fairq_bench]
 """
 
@@ -41,12 +57,16 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
-from sqlalchemy import Engine, text
+import psycopg
+from psycopg.abc import Params, Query
+from sqlalchemy import Engine, TextClause, event, text
 from sqlalchemy.orm import Session
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,110 +76,69 @@ from db import queue  # noqa: E402  (needs the repository on sys.path)
 from scripts import perf_seed, stack  # noqa: E402
 
 BATCH = 100
-CAP = 10
-STALE = perf_seed.STALE_AFTER_SECONDS
 WORKER = "bench:0"
+MILLION = 1_000_000
+# (registered companies, companies with work): the table of issue 9.
+SHAPES = ((1, 1), (50, 50), (2_000, 2_000), (20_000, 200), (20_000, 20_000))
+GOAL = 1.5  # ours / floor, at most
 
-_ELIGIBLE = """
-    t.status IN ('pending', 'processing')
-    AND ((t.status = 'pending' AND t.run_after <= now())
-         OR (t.status = 'processing'
-             AND t.locked_at < now() - make_interval(secs => CAST(:stale_after AS float8))
-             AND t.attempts < t.max_attempts))
-"""
+# The previous claim's parameters, as workers ran it.
+PREVIOUS_CAP = 10
+PREVIOUS_STALE_AFTER = 300.0
+PREVIOUS_PARAMS: dict[str, Any] = {
+    "worker_id": WORKER,
+    "batch_size": BATCH,
+    "per_company_cap": PREVIOUS_CAP,
+    "stale_after": PREVIOUS_STALE_AFTER,
+}
 
-# When an eligible row became eligible, as our claim orders it (db/queue.py `claim`).
-_ELIGIBLE_AT = """
-    CASE WHEN t.status = 'pending' THEN t.run_after ELSE t.locked_at END
-"""
-
-# Lock, update and return exactly as our claim does, so variants differ only in how they
-# pick candidates (a `picked (id, rank, eligible_at)` CTE).
-_LOCK_AND_UPDATE = f"""
-locked AS (
-    SELECT t.id, p.rank, p.eligible_at FROM tasks t JOIN picked p ON p.id = t.id
-    WHERE {_ELIGIBLE}
-    FOR UPDATE OF t SKIP LOCKED
-),
-claimed AS (
-    UPDATE tasks t
-    SET status = 'processing', attempts = t.attempts + 1, lease_token = gen_random_uuid(),
-        locked_by = :worker_id, locked_at = now(),
-        started_at = coalesce(t.started_at, now()), updated_at = now()
-    FROM locked l WHERE t.id = l.id
-    RETURNING t.id, t.company_id, t.type, t.payload, t.attempts, t.max_attempts,
-              t.lease_token, t.created_at, l.rank, l.eligible_at
-)
-SELECT id, company_id, type, payload, attempts, max_attempts, lease_token, created_at
-FROM claimed ORDER BY rank, eligible_at, id
-"""
-
-WINDOW_SQL = f"""
-WITH ranked AS (
-    SELECT t.id, {_ELIGIBLE_AT} AS eligible_at,
-           row_number() OVER (PARTITION BY t.company_id ORDER BY {_ELIGIBLE_AT}, t.id) AS rank
-    FROM tasks t
-    WHERE {_ELIGIBLE}
-),
-picked AS (
-    SELECT id, rank, eligible_at FROM ranked WHERE rank <= :per_company_cap
-    ORDER BY rank, eligible_at, id LIMIT :batch_size
-),
-{_LOCK_AND_UPDATE}
-"""
-
-_OUR_DRIVER = "    FROM companies c\n    CROSS JOIN LATERAL ("
-if _OUR_DRIVER not in str(queue._CLAIM.text):
-    raise SystemExit("db.queue._CLAIM no longer has the companies driver this script replaces")
-# Our claim with its driver replaced: every company with eligible work, found by a scan.
-DISTINCT_SQL = str(queue._CLAIM.text).replace(
-    _OUR_DRIVER,
-    f"    FROM (SELECT DISTINCT t.company_id AS id FROM tasks t WHERE {_ELIGIBLE}) c\n"
-    "    CROSS JOIN LATERAL (",
-    1,
-)
-
-FLOOR_SQL = f"""
-WITH picked AS (
-    SELECT id, n AS rank, now() AS eligible_at
-    FROM unnest(CAST(:ids AS uuid[])) WITH ORDINALITY AS u(id, n)
-),
-{_LOCK_AND_UPDATE}
-"""
-
-# The claim statement of db/queue.py before migration 0002 (comments shortened), and the
-# index it was written for, exactly as migration 0001 created it.
-BEFORE_0002_INDEX = "ix_tasks_claimable"
-BEFORE_0002_INDEX_DDL = f"""
-CREATE INDEX IF NOT EXISTS {BEFORE_0002_INDEX} ON tasks (company_id, created_at)
-INCLUDE (status, run_after, locked_at) WHERE status IN ('pending', 'processing')
-"""
-BEFORE_0002_SQL = """
+# The previous claim (db/queue.py at f2958cf, comments shortened): the lock statement,
+# then the claim statement.
+PREVIOUS_LOCK = text("SELECT pg_advisory_xact_lock(:key), set_config('jit', 'off', true)")
+PREVIOUS_LOCK_KEY = 0x66_61_69_72_71_63_6C
+PREVIOUS_CLAIM = text(
+    """
 WITH candidates AS (
-    -- Driven by the companies table: one index probe per company.
-    SELECT k.id, k.created_at, k.rank
+    -- Driven by the companies table: two index probes per company.
+    SELECT k.id, k.eligible_at, k.rank
     FROM companies c
     CROSS JOIN LATERAL (
-        -- Per-company top-K: an ordered scan of ix_tasks_claimable (company_id, created_at)
-        -- that LIMIT stops after per_company_cap eligible rows, filtering the rest.
-        SELECT t.id, t.created_at, row_number() OVER (ORDER BY t.created_at) AS rank
-        FROM tasks t
-        WHERE t.company_id = c.id
-          AND (
-            (t.status = 'pending' AND t.run_after <= now())
-            OR (t.status = 'processing'
-                AND t.locked_at < now() - make_interval(secs => CAST(:stale_after AS float8))
-                AND t.attempts < t.max_attempts)
-          )
-        ORDER BY t.created_at
+        -- Per-company top-K by "eligible since": a Merge Append of two LIMITed index
+        -- range scans (runnable pending work, stale leases).
+        SELECT e.id, e.eligible_at,
+               row_number() OVER (ORDER BY e.eligible_at, e.id) AS rank
+        FROM (
+            (
+                SELECT t.id, t.run_after AS eligible_at
+                FROM tasks t
+                WHERE t.company_id = c.id
+                  AND t.status = 'pending'
+                  AND t.run_after <= now()
+                ORDER BY t.run_after, t.id
+                LIMIT :per_company_cap
+            )
+            UNION ALL
+            (
+                SELECT t.id, t.locked_at AS eligible_at
+                FROM tasks t
+                WHERE t.company_id = c.id
+                  AND t.status = 'processing'
+                  AND t.locked_at < now() - make_interval(secs => CAST(:stale_after AS float8))
+                  AND t.attempts < t.max_attempts
+                ORDER BY t.locked_at, t.id
+                LIMIT :per_company_cap
+            )
+        ) e
+        ORDER BY e.eligible_at, e.id
         LIMIT :per_company_cap
     ) k
 ),
 picked AS (
-    SELECT id, rank FROM candidates ORDER BY rank, created_at, id LIMIT :batch_size
+    SELECT id, eligible_at, rank FROM candidates ORDER BY rank, eligible_at, id
+    LIMIT :batch_size
 ),
 locked AS (
-    SELECT t.id, p.rank
+    SELECT t.id, p.rank, p.eligible_at
     FROM tasks t
     JOIN picked p ON p.id = t.id
     WHERE (t.status = 'pending' AND t.run_after <= now())
@@ -174,224 +153,464 @@ claimed AS (
         attempts = t.attempts + 1,
         lease_token = gen_random_uuid(),
         locked_by = :worker_id,
-        locked_at = now(),
-        started_at = coalesce(t.started_at, now()),
-        updated_at = now()
+        locked_at = statement_timestamp(),
+        started_at = coalesce(t.started_at, statement_timestamp()),
+        updated_at = statement_timestamp()
     FROM locked l
     WHERE t.id = l.id
     RETURNING t.id, t.company_id, t.type, t.payload, t.attempts, t.max_attempts,
-              t.lease_token, t.created_at, l.rank
+              t.lease_token, t.created_at, l.rank, l.eligible_at
 )
 SELECT id, company_id, type, payload, attempts, max_attempts, lease_token, created_at
 FROM claimed
-ORDER BY rank, created_at, id
+ORDER BY rank, eligible_at, id
+"""
+)
+
+# What the previous claim can take: min(cap, eligible) of each company, at most a batch.
+PREVIOUS_EXPECTED = text(
+    """
+SELECT least(CAST(:batch_size AS bigint), coalesce(sum(n), 0))
+FROM (
+    SELECT least(count(*), CAST(:per_company_cap AS bigint)) AS n
+    FROM tasks t
+    WHERE (t.status = 'pending' AND t.run_after <= now())
+       OR (t.status = 'processing'
+           AND t.locked_at < now() - make_interval(secs => CAST(:stale_after AS float8))
+           AND t.attempts < t.max_attempts)
+    GROUP BY t.company_id
+) per_company
+"""
+)
+
+_PREPARED = """
+SELECT generic_plans AS generic, custom_plans AS custom,
+       left(regexp_replace(statement, '\\s+', ' ', 'g'), 90) AS statement
+FROM pg_prepared_statements ORDER BY prepare_time
 """
 
-PARAMS: dict[str, Any] = {
-    "worker_id": WORKER,
-    "batch_size": BATCH,
-    "per_company_cap": CAP,
-    "stale_after": STALE,
-}
+RUNNABLE = text("SELECT count(*) FROM tasks WHERE status = 'pending' AND run_after <= now()")
+
+# Lock and update known ids the way our claim does (its eligibility re-check, SKIP LOCKED,
+# its SET list), returning the same columns in the given order. Sent straight to psycopg,
+# as our claim sends its statements: the floor carries no SQLAlchemy overhead.
+FLOOR = """
+WITH locked AS (
+    SELECT t.id, u.n
+    FROM unnest(CAST(%(ids)s AS uuid[])) WITH ORDINALITY AS u(id, n)
+    JOIN tasks t ON t.id = u.id
+    WHERE t.status = 'pending' AND t.run_after <= now()
+    FOR UPDATE OF t SKIP LOCKED
+),
+claimed AS (
+    UPDATE tasks t
+    SET status = 'processing',
+        attempts = t.attempts + 1,
+        lease_token = gen_random_uuid(),
+        locked_by = %(worker_id)s,
+        locked_at = statement_timestamp(),
+        started_at = coalesce(t.started_at, statement_timestamp()),
+        updated_at = statement_timestamp()
+    FROM locked l
+    WHERE t.id = l.id
+    RETURNING t.id, t.company_id, t.type, t.payload, t.attempts, t.max_attempts,
+              t.lease_token, t.created_at, l.n
+)
+SELECT id, company_id, type, payload, attempts, max_attempts, lease_token, created_at
+FROM claimed
+ORDER BY n
+"""
+
+# Run before every variant, untimed: it opens the transaction, and no variant's time
+# includes JIT compilation (ours and the previous claim turn it off themselves too).
+_BEGIN = text("SELECT set_config('jit', 'off', true)")
+
+
+@dataclass(frozen=True)
+class Executed:
+    """One statement sent to the server while recording: its name, time, query and values."""
+
+    name: str
+    ms: float
+    query: str
+    params: Params | None
+
+
+class TimedCursor(psycopg.Cursor[Any]):
+    """A psycopg cursor that logs each statement it runs while `StatementClock` records.
+
+    At the driver, so it sees the claim's statements whether they go through SQLAlchemy or
+    straight to psycopg (the claim sends them to its session's psycopg connection).
+    """
+
+    log: ClassVar[list[Executed] | None] = None
+    names: ClassVar[dict[str, str]] = {}  # SQL -> name, filled by StatementClock
+
+    def execute(
+        self,
+        query: Query,
+        params: Params | None = None,
+        *,
+        prepare: bool | None = None,
+        binary: bool | None = None,
+    ) -> Self:
+        """Execute as psycopg does, and log the time it took."""
+        started = time.perf_counter()
+        try:
+            # Typed Any: the overloads of the base split Query in two; this takes both.
+            base: Any = super()
+            base.execute(query, params, prepare=prepare, binary=binary)
+            return self
+        finally:
+            log = TimedCursor.log
+            if log is not None and isinstance(query, str):
+                ms = (time.perf_counter() - started) * 1000.0
+                log.append(Executed(TimedCursor.names.get(query, "other"), ms, query, params))
+
+
+class StatementClock:
+    """Times every statement sent through an engine's connections, while `record` is active.
+
+    Statements are named after the constant of `db.queue` (or of this script) that holds
+    them: raw SQL strings as they are, `text()` clauses as SQLAlchemy compiles them.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        named: dict[str, object] = {
+            name: value
+            for name, value in vars(queue).items()
+            if name.lstrip("_").isupper() and isinstance(value, str | TextClause)
+        }
+        named |= {"PREVIOUS_LOCK": PREVIOUS_LOCK, "PREVIOUS_CLAIM": PREVIOUS_CLAIM, "FLOOR": FLOOR}
+        for name, value in named.items():
+            sql = (
+                str(value.compile(dialect=engine.dialect))
+                if isinstance(value, TextClause)
+                else value
+            )
+            TimedCursor.names[str(sql)] = name.lstrip("_").lower()
+        event.listen(engine, "connect", _use_timed_cursor)
+        engine.dispose()  # connections made before this listener get no timed cursor
+
+    @contextmanager
+    def record(self) -> Iterator[list[Executed]]:
+        """Collect the statements executed inside the block, in order."""
+        log: list[Executed] = []
+        TimedCursor.log = log
+        try:
+            yield log
+        finally:
+            TimedCursor.log = None
+
+
+def _use_timed_cursor(dbapi_connection: Any, connection_record: Any) -> None:
+    dbapi_connection.cursor_factory = TimedCursor
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A named way to claim one batch inside the caller's transaction."""
+    """A named way to claim one batch inside the caller's transaction; returns the rows."""
 
     name: str
     run: Callable[[Session], Sequence[Any]]
 
 
-@dataclass(frozen=True)
-class Scenario:
-    """A workload to time every variant on: `rows` reference rows plus a delayed backlog."""
-
-    rows: int
-    delayed_backlog: int = 0
-
-    def describe(self) -> str:
-        """The scenario as a table heading."""
-        backlog = f" + delayed backlog {self.delayed_backlog:,}" if self.delayed_backlog else ""
-        return f"rows={self.rows:,}{backlog}"
+def _ours(session: Session) -> Sequence[Any]:
+    return queue.claim(session, worker_id=WORKER, batch_size=BATCH)
 
 
-def _statement(sql: str, extra: dict[str, Any] | None = None) -> Callable[[Session], Sequence[Any]]:
+def _previous(session: Session) -> Sequence[Any]:
+    session.execute(PREVIOUS_LOCK, {"key": PREVIOUS_LOCK_KEY})
+    return session.execute(PREVIOUS_CLAIM, PREVIOUS_PARAMS).all()
+
+
+def _floor(ids: list[uuid.UUID]) -> Callable[[Session], Sequence[Any]]:
     def run(session: Session) -> Sequence[Any]:
-        return session.execute(text(sql), {**PARAMS, **(extra or {})}).all()
+        return _driver(session).execute(FLOOR, {"ids": ids, "worker_id": WORKER}).fetchall()
 
     return run
 
 
-def _ours(session: Session) -> Sequence[Any]:
-    return queue.claim(
-        session, worker_id=WORKER, batch_size=BATCH, per_company_cap=CAP, stale_after=STALE
-    )
+@dataclass(frozen=True)
+class Timed:
+    """One run: milliseconds, rows claimed, and the statements it executed."""
+
+    ms: float
+    rows: Sequence[Any]
+    statements: list[Executed]
 
 
-def _vacuum(engine: Engine) -> None:
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text("VACUUM tasks"))
+@dataclass
+class Result:
+    """What one shape measured: per variant the timings, and ours per statement."""
 
+    shape: perf_seed.Shape
+    batches: dict[str, int]
+    ms: dict[str, list[float]] = field(default_factory=dict)
+    # statement name -> (milliseconds per run summed over its executions, executions per run)
+    statements: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    # per run of ours: milliseconds outside its statements (Python, the driver)
+    outside: list[float] = field(default_factory=list)
+    load: str = ""
+    failures: list[str] = field(default_factory=list)
 
-def _ddl(engine: Engine, sql: str) -> None:
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text(sql))
+    def median(self, variant: str) -> float:
+        """Median milliseconds of `variant`."""
+        return statistics.median(self.ms[variant])
 
-
-def time_once(engine: Engine, variant: Variant) -> float:
-    """Milliseconds of one run of `variant`, from a freshly vacuumed table, rolled back."""
-    _vacuum(engine)
-    with Session(engine) as session:
-        # Same settings as our claim applies to itself, untimed: the comparison is between
-        # query shapes, not between JIT and no JIT.
-        session.execute(text("SELECT set_config('jit', 'off', true)"))
-        started = time.perf_counter()
-        rows = variant.run(session)
-        elapsed = (time.perf_counter() - started) * 1000.0
-        session.rollback()
-    if len(rows) != BATCH:
-        raise SystemExit(f"{variant.name} claimed {len(rows)} rows, expected {BATCH}")
-    return elapsed
-
-
-def time_variants(
-    engine: Engine, variants: Sequence[Variant], runs: int, warmup: int
-) -> dict[str, list[float]]:
-    """Milliseconds of each timed run per variant, after `warmup` untimed runs of each.
-
-    Runs are interleaved round-robin, so load from anything else on the machine falls on
-    every variant alike instead of on whichever ran at the time.
-    """
-    timings: dict[str, list[float]] = {v.name: [] for v in variants}
-    for i in range(warmup + runs):
-        for variant in variants:
-            elapsed = time_once(engine, variant)
-            if i >= warmup:
-                timings[variant.name].append(elapsed)
-    return timings
-
-
-def ids_claimed(engine: Engine, run: Callable[[Session], Sequence[Any]]) -> list[uuid.UUID]:
-    """The ids one run would claim, in claim order (rolled back)."""
-    with Session(engine) as session:
-        session.execute(text("SELECT set_config('jit', 'off', true)"))
-        rows = run(session)
-        session.rollback()
-    return [row[0] if isinstance(row, tuple) else row.id for row in rows]
-
-
-def explain(engine: Engine, sql: str) -> str:
-    """EXPLAIN (ANALYZE, BUFFERS) of a claim statement, in a rolled-back transaction."""
-    with Session(engine) as session:
-        session.execute(text("SELECT set_config('jit', 'off', true)"))
-        plan = "\n".join(
-            str(r[0])
-            for r in session.execute(text("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + sql), PARAMS)
-        )
-        session.rollback()
-    return plan
+    def add(self, variant: str, timed: Timed) -> None:
+        """Count one timed run of `variant` (of ours, each statement's share too)."""
+        self.ms[variant].append(timed.ms)
+        if variant != "ours":
+            return
+        per_run: dict[str, tuple[float, int]] = {}
+        for executed in timed.statements:
+            ms, n = per_run.get(executed.name, (0.0, 0))
+            per_run[executed.name] = (ms + executed.ms, n + 1)
+        for name, value in per_run.items():
+            self.statements.setdefault(name, []).append(value)
+        self.outside.append(timed.ms - sum(ms for ms, _ in per_run.values()))
 
 
 def _load() -> str:
     one, five, fifteen = os.getloadavg()
-    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} CPUs)"
+    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
 
 
-def bench(
-    engine: Engine,
-    scenario: Scenario,
-    *,
-    runs: int,
-    warmup: int,
-    reuse: bool,
-    explain_plans: bool,
-    shapes: bool,
-) -> str:
-    """Seed (unless reusable), time every variant and return the printed table."""
-    rows, backlog = scenario.rows, scenario.delayed_backlog
-    if not (reuse and perf_seed.current_marker(engine) == perf_seed.seed_marker(rows, 42, backlog)):
-        print(f"seeding {scenario.describe()} ...", flush=True)
-        print("  " + perf_seed.seed(engine, rows, delayed_backlog=backlog).describe(), flush=True)
-    _ddl(engine, BEFORE_0002_INDEX_DDL)
-    _ddl(engine, "ANALYZE tasks")
-    try:
-        known = ids_claimed(engine, _ours)
-        definition = ids_claimed(engine, _statement(WINDOW_SQL))
-        before = ids_claimed(engine, _statement(BEFORE_0002_SQL))
-        variants = [
-            Variant("ours: eligible-since merge", _ours),
-            # Without the advisory-lock round trip: the statement's own cost.
-            Variant("ours, claim statement alone", _statement(str(queue._CLAIM.text))),
-            Variant("before 0002, statement alone", _statement(BEFORE_0002_SQL)),
-        ]
-        if shapes:
-            variants += [
-                Variant("window: global ROW_NUMBER()", _statement(WINDOW_SQL)),
-                Variant("distinct: ours over DISTINCT", _statement(DISTINCT_SQL)),
-            ]
-        variants.append(
-            Variant("floor: lock+update 100 ids", _statement(FLOOR_SQL, {"ids": known}))
-        )
-        load_before = _load()
-        timed = time_variants(engine, variants, runs, warmup)
-        load_after = _load()
-        plans = (
-            [
-                "",
-                "-- ours, claim statement:",
-                explain(engine, str(queue._CLAIM.text)),
-                "",
-                "-- before 0002:",
-                explain(engine, BEFORE_0002_SQL),
-            ]
-            if explain_plans
-            else []
-        )
-    finally:
-        _ddl(engine, f"DROP INDEX IF EXISTS {BEFORE_0002_INDEX}")
-    medians = {name: (statistics.median(t), min(t), max(t)) for name, t in timed.items()}
-    floor = medians[variants[-1].name][0]
-    ours = medians[variants[0].name][0]
-    lines = [
-        f"{scenario.describe()} companies={perf_seed.COMPANIES} batch={BATCH} cap={CAP} "
-        f"runs={runs} (+{warmup} warm-up), milliseconds",
-        f"before: {load_before}; after: {load_after}",
-        f"{'variant':<34}{'median':>9}{'min':>9}{'max':>9}{'vs floor':>10}{'vs ours':>9}",
+def _scalar(engine: Engine, statement: TextClause, params: dict[str, Any] | None = None) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(statement, params or {}).scalar_one())
+
+
+def _checks(engine: Engine, batches: dict[str, Timed], floor_ids: list[uuid.UUID]) -> list[str]:
+    """Untimed: each variant claimed what it should. Returns the failures."""
+    runnable = _scalar(engine, RUNNABLE)
+    expected = {
+        "ours": min(BATCH, runnable),
+        "previous": _scalar(engine, PREVIOUS_EXPECTED, PREVIOUS_PARAMS),
+        "floor": len(floor_ids),
+    }
+    failures = [
+        f"{name} claimed {len(batches[name].rows)} tasks, expected {want}"
+        for name, want in expected.items()
+        if len(batches[name].rows) != want
     ]
-    for name, (median, low, high) in medians.items():
-        lines.append(
-            f"{name:<34}{median:>9.2f}{low:>9.2f}{high:>9.2f}"
-            f"{median / floor:>9.2f}x{median / ours:>8.2f}x"
+    ours = [row.id for row in batches["ours"].rows]
+    if len(set(ours)) != len(ours):
+        failures.append("ours returned a task twice")
+    floor = [row[0] for row in batches["floor"].rows]  # psycopg tuples
+    if floor != floor_ids:
+        failures.append("the floor did not claim exactly the ids ours picked")
+    return failures
+
+
+def _driver(session: Session) -> psycopg.Connection[Any]:
+    driver = session.connection().connection.driver_connection
+    assert isinstance(driver, psycopg.Connection)
+    return driver
+
+
+def rollback(session: Session, *, keep_prepared: bool) -> None:
+    """Roll the session's transaction back; with `keep_prepared`, below psycopg.
+
+    psycopg forgets its prepared statements on `rollback()` (and deallocates them), so a
+    benchmark that rolls back through it parses and plans every statement on every run,
+    while a worker, which commits, runs the claim's statements prepared from its sixth
+    claim on (psycopg's `prepare_threshold`), with a generic plan once PostgreSQL finds one
+    as cheap (after five custom plans). ROLLBACK sent on the libpq connection leaves
+    psycopg's cache alone (server-side prepared statements outlive a rollback), and
+    psycopg's own `rollback()` then finds no transaction to end.
+    """
+    if keep_prepared:
+        result = _driver(session).pgconn.exec_(b"ROLLBACK")
+        if result.status != psycopg.pq.ExecStatus.COMMAND_OK:
+            raise RuntimeError(f"ROLLBACK failed: {result.error_message.decode()}")
+    session.rollback()
+
+
+@dataclass
+class Bench:
+    """How to time: the engine, its statement clock, and the method's settings."""
+
+    engine: Engine
+    clock: StatementClock
+    runs: int
+    warmup: int
+    reuse: bool
+    explain: bool
+    keep_prepared: bool
+
+    def run_once(self, variant: Variant) -> Timed:
+        """One run of `variant` from a freshly vacuumed database, in a transaction rolled back."""
+        perf_seed.vacuum(self.engine)
+        with Session(self.engine) as session:
+            session.execute(_BEGIN)
+            with self.clock.record() as statements:
+                started = time.perf_counter()
+                rows = variant.run(session)
+                elapsed = (time.perf_counter() - started) * 1000.0
+            rollback(session, keep_prepared=self.keep_prepared)
+        return Timed(elapsed, rows, statements)
+
+    def explain_plans(self, statements: Sequence[Executed]) -> str:
+        """EXPLAIN (ANALYZE, BUFFERS) of each statement, replayed in order, rolled back.
+
+        EXPLAIN ANALYZE executes the statement, so each one sees what the ones before it
+        did, as in the run the statements were recorded from (which started from the same
+        state: the database is vacuumed first here too). Not prepared: planning included.
+        """
+        perf_seed.vacuum(self.engine)
+        out: list[str] = []
+        with Session(self.engine) as session:
+            session.execute(_BEGIN)
+            driver = _driver(session)
+            for executed in statements:
+                plan = driver.execute(
+                    "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + executed.query,
+                    executed.params,
+                    prepare=False,
+                ).fetchall()
+                out.append(f"-- {executed.name}")
+                out.extend(str(row[0]) for row in plan)
+            rollback(session, keep_prepared=self.keep_prepared)
+        return "\n".join(out)
+
+    def prepared(self) -> str:
+        """The bench connection's prepared statements: plans of each kind, first words."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(text(_PREPARED)).all()
+        return "\n".join(f"  {r.generic:>5} {r.custom:>6}  {r.statement}" for r in rows)
+
+    def shape(self, shape: perf_seed.Shape) -> Result:
+        """Seed (unless reusable), check and time every variant on `shape`."""
+        print(f"== {shape.describe()}", flush=True)
+        if self.reuse and perf_seed.reusable(self.engine, shape):
+            print("  reusing the seed: " + perf_seed.stats(self.engine).describe(), flush=True)
+        else:
+            print("  seeded: " + perf_seed.seed(self.engine, shape).describe(), flush=True)
+        perf_seed.vacuum(self.engine, analyze=True)
+
+        first = {"ours": self.run_once(Variant("ours", _ours))}
+        ids = [row.id for row in first["ours"].rows]
+        variants = [
+            Variant("ours", _ours),
+            Variant("previous", _previous),
+            Variant("floor", _floor(ids)),
+        ]
+        for variant in variants[1:]:
+            first[variant.name] = self.run_once(variant)
+        result = Result(shape, {name: len(timed.rows) for name, timed in first.items()})
+        result.failures = _checks(self.engine, first, ids)
+        served = Counter(row.company_id for row in first["ours"].rows)
+        print(
+            f"  ours took {len(ids)} tasks from {len(served)} companies "
+            f"({min(served.values(), default=0)} to {max(served.values(), default=0)} each), "
+            f"previous {result.batches['previous']}, floor {result.batches['floor']}: "
+            + (
+                "checks ok"
+                if not result.failures
+                else "CHECKS FAILED: " + "; ".join(result.failures)
+            ),
+            flush=True,
         )
-    same = "yes" if known == definition else "NO"
-    lines.append(f"ours claims exactly the batch the window definition picks, in order: {same}")
-    common = len(set(known) & set(before))
-    lines.append(f"ids in common with the batch before 0002 (created_at order): {common}/{BATCH}")
-    lines.extend(plans)
+
+        result.ms = {v.name: [] for v in variants}
+        for i in range(self.warmup + self.runs):
+            # Each round starts with another variant: none always runs right after VACUUM's
+            # own kind of work, or right after another variant's.
+            for variant in variants[i % len(variants) :] + variants[: i % len(variants)]:
+                timed = self.run_once(variant)
+                if i >= self.warmup:
+                    result.add(variant.name, timed)
+        result.load = _load()
+        for variant in variants:
+            t = result.ms[variant.name]
+            print(
+                f"  {variant.name:<9} median {statistics.median(t):8.2f} ms  "
+                f"(min {min(t):.2f}, max {max(t):.2f})",
+                flush=True,
+            )
+        print(f"  ours by statement: {_statement_cells(result)}", flush=True)
+
+        if self.explain:
+            for name in ("ours", "previous"):
+                print(f"  EXPLAIN ANALYZE, {name}, statement by statement:", flush=True)
+                print(self.explain_plans(first[name].statements), flush=True)
+            print("  prepared statements of the bench connection (generic, custom plans):")
+            print(self.prepared(), flush=True)
+        return result
+
+
+def _statement_cells(result: Result) -> str:
+    cells = []
+    runs = len(result.ms["ours"])
+    for name, values in result.statements.items():
+        ms = statistics.median(v[0] for v in values)
+        times = max(v[1] for v in values)
+        cell = f"{name} {ms:.2f}" + (f" (x{times})" if times > 1 else "")
+        # A statement that runs only in some claims (the settle step) says how many.
+        cells.append(cell + (f" [{len(values)}/{runs} runs]" if len(values) < runs else ""))
+    cells.append(f"outside statements {statistics.median(result.outside):.2f}")
+    return ", ".join(cells)
+
+
+def table(results: Sequence[Result]) -> str:
+    """One row per shape: medians, ratios to the floor, batch sizes, load average."""
+    lines = [
+        f"{'shape':<44}{'ours':>8}{'previous':>10}{'floor':>8}{'ours/floor':>12}"
+        f"{'prev/floor':>12}{'(mins)':>8}  {'batch o/p/f':<13}load (1 5 15 min)",
+    ]
+    for r in results:
+        ours, previous, floor = r.median("ours"), r.median("previous"), r.median("floor")
+        batches = "/".join(str(r.batches[n]) for n in ("ours", "previous", "floor"))
+        over = "*" if ours / floor > GOAL else " "
+        # Minimum over minimum: what is left when background load missed both runs.
+        mins = min(r.ms["ours"]) / min(r.ms["floor"])
+        lines.append(
+            f"{shape_label(r.shape):<44}{ours:>8.2f}{previous:>10.2f}{floor:>8.2f}"
+            f"{ours / floor:>10.2f}x{over}{previous / floor:>11.2f}x{mins:>7.2f}x  "
+            f"{batches:<13}{r.load}"
+        )
+    lines.append("")
+    lines.append("ours by statement, median ms (xN: executions per claim):")
+    for r in results:
+        lines.append(f"  {shape_label(r.shape):<42}{_statement_cells(r)}")
     return "\n".join(lines)
+
+
+def shape_label(shape: perf_seed.Shape) -> str:
+    """A shape as the issue's table names it."""
+    if shape.companies == 1:
+        return "1 company"
+    with_work = "all" if shape.active == shape.companies else f"{shape.active:,}"
+    return f"{shape.companies:,} companies, {with_work} with work"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line of this script."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--rows", type=int, default=100_000, help="task rows (default 100000)")
+    parser.add_argument("--companies", type=int, metavar="N", help="registered companies")
+    parser.add_argument("--active", type=int, metavar="M", help="companies with work")
+    perf_seed.add_shape_arguments(parser)
     parser.add_argument("--million", action="store_true", help="also run at 1,000,000 rows")
+    parser.add_argument("--runs", type=int, default=11, help="timed runs per variant (11)")
     parser.add_argument(
-        "--delayed-backlog",
+        "--warmup",
         type=int,
-        default=0,
-        metavar="N",
-        help="also run at --rows plus N pending rows of one company runnable only tomorrow",
+        default=10,
+        help="untimed rounds first (10: statements prepared, generic plans chosen)",
     )
-    parser.add_argument("--runs", type=int, default=9, help="timed runs per variant (min 7)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed runs per variant")
     parser.add_argument(
-        "--reuse", action="store_true", help="keep an existing seed of the same scenario"
+        "--replan",
+        action="store_true",
+        help="roll back through psycopg, which forgets prepared statements: every run "
+        "parses and plans every statement (unlike a worker)",
     )
-    parser.add_argument("--explain", action="store_true", help="print both claims' plans")
     parser.add_argument(
-        "--shapes", action="store_true", help="also time the window and distinct shapes (slow)"
+        "--reuse", action="store_true", help="keep a seed of the same shape if the database has one"
+    )
+    parser.add_argument(
+        "--explain", action="store_true", help="print EXPLAIN ANALYZE of ours and the previous"
     )
     stack.add_database_url_argument(
         parser,
@@ -399,50 +618,73 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "default DATABASE_URL, else an embedded server with data in .pgdata/bench",
     )
     args = parser.parse_args(argv)
-    if args.runs < 7:
-        parser.error("--runs must be at least 7")
-    if args.delayed_backlog < 0:
-        parser.error("--delayed-backlog must not be negative")
+    if (args.companies is None) != (args.active is None):
+        parser.error("--companies and --active go together")
+    if args.runs < 3 or args.warmup < 0:
+        parser.error("--runs must be at least 3 and --warmup not negative")
+    try:
+        args.shapes = shapes(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
 
 
-def scenarios(args: argparse.Namespace) -> list[Scenario]:
-    """The workloads to run, in order."""
-    chosen = [Scenario(args.rows)]
-    if args.delayed_backlog:
-        chosen.append(Scenario(args.rows, args.delayed_backlog))
-    if args.million and args.rows != 1_000_000:
-        chosen.append(Scenario(1_000_000))
-    return chosen
+def shapes(args: argparse.Namespace) -> list[perf_seed.Shape]:
+    """The shapes to run, in order: every size, each with every tenant shape."""
+    tenants = SHAPES if args.companies is None else ((args.companies, args.active),)
+    sizes = [args.rows] + ([MILLION] if args.million and args.rows != MILLION else [])
+    return [
+        perf_seed.Shape(companies, active, rows, args.delayed_fraction, args.seed)
+        for rows in sizes
+        for companies, active in tenants
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark for each scenario and print one table per scenario."""
+    """Run every shape, then print one table per size."""
     args = parse_args(argv)
+    results: list[Result] = []
     with perf_seed.database(args.database_url) as url:
         engine = perf_seed.bench_engine(url)
         try:
+            bench = Bench(
+                engine,
+                StatementClock(engine),
+                runs=args.runs,
+                warmup=args.warmup,
+                reuse=args.reuse,
+                explain=args.explain,
+                keep_prepared=not args.replan,
+            )
             with engine.connect() as conn:
-                print(conn.execute(text("SELECT version()")).scalar_one())
-            tables = []
-            for scenario in scenarios(args):
-                tables.append(
-                    bench(
-                        engine,
-                        scenario,
-                        runs=args.runs,
-                        warmup=args.warmup,
-                        reuse=args.reuse,
-                        explain_plans=args.explain,
-                        shapes=args.shapes,
-                    )
-                )
-                print(tables[-1] + "\n", flush=True)
+                version = conn.execute(text("SELECT version()")).scalar_one()
+            load_before = _load()
+            results.extend(bench.shape(shape) for shape in args.shapes)
         finally:
             engine.dispose()
     print()
-    print("\n\n".join(tables))
-    return 0
+    print(version)
+    print(
+        f"batch {BATCH}; previous claim: cap {PREVIOUS_CAP}, stale after "
+        f"{PREVIOUS_STALE_AFTER:.0f} s; median of {args.runs} runs (+{args.warmup} warm-up "
+        f"rounds), milliseconds; * = ours above {GOAL}x the floor; (mins): ours/floor "
+        "of the fastest runs"
+    )
+    print(
+        "statements parsed and planned on every run (--replan)"
+        if args.replan
+        else "statements prepared by psycopg as on a worker's connection (see --replan)"
+    )
+    print(f"load average before {load_before}, after {_load()} ({os.cpu_count()} CPUs)")
+    for rows in dict.fromkeys(r.shape.rows for r in results):
+        sized = [r for r in results if r.shape.rows == rows]
+        fraction = sized[0].shape.delayed_fraction
+        print(f"\n{rows:,} pending tasks, {fraction:.0%} of them delayed")
+        print(table(sized))
+    failures = [f"{shape_label(r.shape)}: {f}" for r in results for f in r.failures]
+    if failures:
+        print("\nCHECKS FAILED:\n  " + "\n  ".join(failures))
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

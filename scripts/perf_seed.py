@@ -1,22 +1,43 @@
-"""Build the reference claim workload (DESIGN §9): deterministic, seed 42 by default.
+"""Build a claim workload of one tenant shape (issue 9): deterministic, seed 42 by default.
 
-The workload: 50 companies; 80% of the rows belong to 20% of them (10 heavy companies);
-3% terminal (completed, failed, cancelled), 2% processing (about half of them stale, a few of
-those poison pills with no attempts left), 95% pending. A fifth of the pending rows were
-retried and carry a backoff `run_after` between 15 minutes ago and 45 minutes ahead, so about
-three quarters of those are still delayed. About 82% of all rows are eligible for a claim.
-Timestamps are relative to the database clock at seeding time, so a stale seed drifts (delays
-expire): reseed before measuring.
+The workload: `--companies N` registered companies (weight 1, no in-flight limit), of which
+the first `--active M` own `--rows` pending `noop` tasks, spread evenly (task g belongs to
+active company `g mod M`) and inserted in creation order over one week of history, so every
+company's rows lie among everyone else's on the heap, as in a live queue. A fraction
+`--delayed-fraction` (0.2 by default) of them is delayed: created in that week like the
+others but runnable only in 1 to 2 days (scheduled with `run_at`, or backed off). Every
+other row is runnable since its creation (`run_after = created_at`). No task is
+`processing` or finished.
 
-`--delayed-backlog N` adds the "one tenant's delayed backlog" scenario: N more pending rows for
-one light company, all runnable only tomorrow (scheduled with `run_at`, or every task backed
-off because its webhook target is down), created before any other row. In created_at order
-they come first, so a claim that scans a company in created_at order and filters
-`run_after <= now()` reads all N of them on every claim (the case migration 0002 fixed).
+Built in SQL (`INSERT ... SELECT generate_series`): 1M rows in well under a minute. The
+rows go through one ordinary INSERT, so the triggers of migration 0003 maintain
+`company_queues` as they do for the API: each active company's `due_at` is its earliest
+pending `run_after`. The secondary indexes of `tasks` are dropped for that INSERT and
+rebuilt after it (much faster than growing them row by row; a built index is packed
+tighter than a grown one, which helps every variant of `bench_claim` alike).
+
+Then every company with runnable work is made ready the way a live system does it: by the
+claim itself. Each committed `queue.claim` promotes up to `queue.PROMOTE_LIMIT` companies
+whose `due_at` has come (joining the ring), so one claim of batch 1 per that many waiting
+companies, each followed by `queue.release_tasks` of the task it took (back to `pending`,
+attempt undone, place in line kept, as on a worker's shutdown), leaves exactly the state a
+live queue is in after its claims have caught up: the ready set is the companies with
+runnable work, in the order the claim promoted them, the claim cursor somewhere in it;
+companies with only delayed work wait in `ix_company_queues_waiting_due_at` (nothing is
+due for the timed claims to promote), and the others have no `due_at`. Using the claim's
+own statements keeps this true whatever representation the claim keeps (virtual times, a
+ring). VACUUM (ANALYZE) last, untimed.
+
+The schema is the one of the migrations in this working tree: the database is rebuilt from
+scratch (schema `public` dropped, `alembic upgrade head`) when they changed since it was
+migrated (`--reuse` in `bench_claim` would otherwise time a stale schema).
+
+Timestamps are relative to the database clock at seeding time, so a seed older than a day
+has delayed rows coming due: `reusable` refuses it.
 
 Usage:
-    PYTHONPATH=. .venv/bin/python scripts/perf_seed.py [--rows 100000] [--seed 42]
-        [--delayed-backlog 0]
+    PYTHONPATH=. .venv/bin/python scripts/perf_seed.py [--companies 50] [--active 50]
+        [--rows 100000] [--delayed-fraction 0.2] [--seed 42]
         [--database-url postgresql+psycopg://postgres@127.0.0.1:5432/fairq_bench]
 
 Without `--database-url` or `DATABASE_URL`, an embedded PostgreSQL with its data in
@@ -26,6 +47,7 @@ Without `--database-url` or `DATABASE_URL`, an embedded PostgreSQL with its data
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -35,110 +57,103 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import Connection, Engine, pool, text
+from sqlalchemy.orm import Session
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from db.engine import make_engine  # noqa: E402  (needs ROOT on sys.path)
+from db import queue  # noqa: E402  (needs ROOT on sys.path)
+from db.engine import make_engine  # noqa: E402
 from scripts import stack  # noqa: E402
 
-COMPANIES = 50
-HEAVY_COMPANIES = 10  # 20% of the companies ...
-HEAVY_SHARE = 0.8  # ... own 80% of the rows
-STALE_AFTER_SECONDS = 300.0  # what the benchmark's claim uses; stale rows are far older
+# The worker id of the claims that promote the seeded companies (module docstring).
+CATCH_UP_WORKER = "perf-seed:catch-up"
 
-# Built with generate_series in one INSERT ... SELECT: about 1M rows in well under a minute.
-# setseed() makes random() deterministic for the session; the ids are derived from the seed
-# and the row number, so two seeds with the same arguments produce the same rows.
+# A seed is reused only while its delayed rows are this far from coming due.
+REUSE_MARGIN = "1 hour"
+
 _SEED_COMPANIES = """
 INSERT INTO companies (id, name, api_key_hash, created_at)
 SELECT md5('fairq-company-' || i)::uuid,
-       'company-' || lpad(i::text, 2, '0') || CASE WHEN i <= :heavy THEN '-heavy' ELSE '' END,
+       'company-' || i,
        encode(sha256(convert_to('perf-seed-key-' || i, 'UTF8')), 'hex'),
        now() - interval '30 days'
 FROM generate_series(1, :companies) AS i
 """
 
+# One INSERT, so the statement trigger sees every new row at once (it takes the wake-up
+# locks of the 64 buckets and lowers each company's due_at once). setseed() makes random()
+# deterministic for the session; ids come from the seed and the row number.
 _SEED_TASKS = """
 INSERT INTO tasks (id, company_id, type, payload, status, attempts, max_attempts, run_after,
-                   lease_token, locked_by, locked_at, last_error,
-                   created_at, updated_at, started_at, finished_at)
+                   created_at, updated_at)
 SELECT md5('fairq-task-' || :seed || '-' || g)::uuid,
-       md5('fairq-company-' || company_no)::uuid,
-       'noop', '{}'::jsonb,
-       status,
-       CASE status WHEN 'pending' THEN CASE WHEN retried THEN 1 + (r_kind * 3)::int ELSE 0 END
-                   WHEN 'processing' THEN CASE WHEN poison THEN 5 ELSE 1 END
-                   ELSE 1 END,
-       5,
-       CASE WHEN retried THEN now() + make_interval(secs => -900 + r_delay * 3600)
+       md5('fairq-company-' || (1 + (g - 1) % :active))::uuid,
+       'noop', '{}'::jsonb, 'pending', 0, 5,
+       CASE WHEN delayed THEN now() + interval '1 day' + make_interval(secs => r_delay * 86400)
             ELSE created_at END,
-       CASE WHEN status = 'processing' THEN md5('lease-' || g)::uuid END,
-       CASE WHEN status = 'processing' THEN 'perf-seed:' || (g % 7) END,
-       CASE WHEN status <> 'processing' THEN NULL
-            WHEN stale THEN now() - interval '1 hour'
-            ELSE now() - interval '10 seconds' END,
-       CASE WHEN retried OR status = 'failed' THEN 'seeded failure' END,
        created_at,
-       created_at,
-       CASE WHEN status IN ('processing', 'completed', 'failed') OR retried THEN created_at END,
-       CASE WHEN status IN ('completed', 'failed', 'cancelled') THEN created_at END
+       created_at
 FROM (
-    SELECT g, r_kind, r_delay, created_at,
-           CASE WHEN r_company < :heavy_share THEN 1 + floor(r_pick * :heavy)::int
-                ELSE :heavy + 1 + floor(r_pick * (:companies - :heavy))::int END AS company_no,
-           CASE WHEN r_status < 0.01 THEN 'completed'
-                WHEN r_status < 0.02 THEN 'failed'
-                WHEN r_status < 0.03 THEN 'cancelled'
-                WHEN r_status < 0.05 THEN 'processing'
-                ELSE 'pending' END AS status,
-           r_status >= 0.05 AND r_kind < 0.2 AS retried,
-           r_kind < 0.5 AS stale,
-           r_kind < 0.05 AS poison
-    FROM (
-        SELECT g, random() AS r_company, random() AS r_pick, random() AS r_status,
-               random() AS r_kind, random() AS r_delay,
-               -- Insertion order is creation order, as in a live queue: one week of history.
-               now() - make_interval(secs => (:rows - g + 1) * (604800.0 / :rows)) AS created_at
-        FROM generate_series(1, :rows) AS g
-    ) AS r
+    SELECT g, random() < :delayed_fraction AS delayed, random() AS r_delay,
+           -- Insertion order is creation order, as in a live queue: one week of history.
+           now() - make_interval(secs => (:rows - g + 1) * (604800.0 / :rows)) AS created_at
+    FROM generate_series(1, :rows) AS g
 ) AS x
 """
 
-# The company that gets the delayed backlog: the last one, a light company (heavy ones come
-# first), whose few runnable rows sit behind the whole backlog in created_at order.
-BACKLOG_COMPANY = COMPANIES
-
-# N pending rows runnable in 24 to 25 hours, created 8 to 7 days ago (the seeded history spans
-# the last 7 days): older than every other row of the company. Same deterministic ids scheme.
-# Written in a shuffled order: a tenant's rows created over a day sit among everyone else's
-# on the heap, one page per row, not packed together in created_at order as one bulk
-# INSERT would leave them (which would make reading them in created_at order look cheap).
-_SEED_BACKLOG = """
-INSERT INTO tasks (id, company_id, type, payload, status, attempts, max_attempts, run_after,
-                   created_at, updated_at)
-SELECT md5('fairq-backlog-' || :seed || '-' || g)::uuid,
-       md5('fairq-company-' || :company_no)::uuid,
-       'noop', '{}'::jsonb, 'pending', 0, 5,
-       now() + interval '1 day' + make_interval(secs => g * (3600.0 / :rows)),
-       now() - interval '8 days' + make_interval(secs => g * (86400.0 / :rows)),
-       now() - interval '8 days' + make_interval(secs => g * (86400.0 / :rows))
-FROM generate_series(1, :rows) AS g
-ORDER BY md5('fairq-backlog-order-' || g)
-"""
+# Companies the claim has yet to promote: their earliest task has come due.
+_NOT_YET_PROMOTED = "SELECT count(*) FROM company_queues WHERE NOT ready AND due_at <= now()"
 
 _STATS = """
-SELECT count(*) AS total,
-       count(*) FILTER (WHERE (status = 'pending' AND run_after <= now())
-                           OR (status = 'processing'
-                               AND locked_at < now() - make_interval(secs => :stale)
-                               AND attempts < max_attempts)) AS eligible,
-       count(*) FILTER (WHERE status = 'pending') AS pending,
-       count(*) FILTER (WHERE status = 'pending' AND run_after > now()) AS delayed,
-       count(*) FILTER (WHERE status = 'processing') AS processing,
-       count(*) FILTER (WHERE status IN ('completed', 'failed', 'cancelled')) AS terminal
-FROM tasks
+SELECT (SELECT count(*) FROM tasks) AS total,
+       (SELECT count(*) FROM tasks WHERE status = 'pending' AND run_after <= now()) AS runnable,
+       (SELECT count(*) FROM tasks WHERE status = 'pending' AND run_after > now()) AS delayed,
+       (SELECT count(*) FROM companies) AS companies,
+       (SELECT count(*) FROM company_queues WHERE due_at IS NOT NULL) AS with_work,
+       (SELECT count(*) FROM company_queues WHERE ready) AS ready,
+       (SELECT count(*) FROM company_queues WHERE NOT ready AND due_at IS NOT NULL) AS waiting
 """
+
+# The earliest delayed row: reuse needs it still in the future (module docstring).
+_DELAYED_STILL_AHEAD = f"""
+SELECT coalesce(min(run_after) > now() + interval '{REUSE_MARGIN}', true)
+FROM tasks WHERE status = 'pending' AND run_after > created_at
+"""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A tenant shape: how many companies exist, how many have work, how much work."""
+
+    companies: int
+    active: int
+    rows: int = 100_000
+    delayed_fraction: float = 0.2
+    seed: int = 42
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.active <= self.companies:
+            raise ValueError("need 1 <= active <= companies")
+        if self.rows < self.active:
+            raise ValueError("need at least one row per active company")
+        if not 0.0 <= self.delayed_fraction < 1.0:
+            raise ValueError("the delayed fraction must be in [0, 1)")
+
+    def describe(self) -> str:
+        """The shape in a few words, for table rows."""
+        return (
+            f"{_companies(self.companies)}, {self.active:,} with work, {self.rows:,} rows"
+            f" ({self.delayed_fraction:.0%} delayed)"
+        )
+
+    def marker(self) -> str:
+        """The table comment that identifies this seed (for `reusable`)."""
+        return (
+            f"perf_seed companies={self.companies} active={self.active} rows={self.rows} "
+            f"delayed_fraction={self.delayed_fraction} seed={self.seed} "
+            f"schema={schema_fingerprint()}"
+        )
 
 
 @dataclass(frozen=True)
@@ -146,27 +161,35 @@ class SeedStats:
     """What a seeded database holds."""
 
     total: int
-    eligible: int
-    pending: int
+    runnable: int
     delayed: int
-    processing: int
-    terminal: int
+    companies: int
+    with_work: int
+    ready: int
+    waiting: int
     seconds: float
 
     def describe(self) -> str:
         """One line for the console."""
-        pct = 100.0 / max(self.total, 1)
         return (
-            f"{self.total:,} rows in {self.seconds:.1f}s: eligible {self.eligible * pct:.1f}%, "
-            f"pending {self.pending * pct:.1f}% (delayed {self.delayed * pct:.1f}%), "
-            f"processing {self.processing * pct:.1f}%, terminal {self.terminal * pct:.1f}%"
+            f"{self.total:,} rows ({self.runnable:,} runnable, {self.delayed:,} delayed), "
+            f"{_companies(self.companies)}: {self.ready:,} ready, {self.waiting:,} waiting "
+            f"for delayed work, {self.companies - self.with_work:,} idle"
+            + (f"; seeded in {self.seconds:.1f}s" if self.seconds else "")
         )
 
 
-def seed_marker(rows: int, seed: int, delayed_backlog: int = 0) -> str:
-    """The table comment that identifies a seeded workload (for `--reuse`)."""
-    backlog = f" delayed_backlog={delayed_backlog}" if delayed_backlog else ""
-    return f"perf_seed rows={rows} seed={seed}{backlog}"
+def _companies(n: int) -> str:
+    return "1 company" if n == 1 else f"{n:,} companies"
+
+
+def schema_fingerprint() -> str:
+    """A digest of the migrations in this working tree (they define the schema)."""
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "migrations").rglob("*.py")):
+        digest.update(path.relative_to(ROOT).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def current_marker(engine: Engine) -> str | None:
@@ -178,7 +201,15 @@ def current_marker(engine: Engine) -> str | None:
         return value
 
 
-def _seed_tasks(conn: Connection, rows: int, seed: int, delayed_backlog: int) -> None:
+def reusable(engine: Engine, shape: Shape) -> bool:
+    """Whether the database holds `shape` as seeded, with its delayed rows still ahead."""
+    if current_marker(engine) != shape.marker():
+        return False
+    with engine.connect() as conn:
+        return bool(conn.execute(text(_DELAYED_STILL_AHEAD)).scalar_one())
+
+
+def _seed_tasks(conn: Connection, shape: Shape) -> None:
     # Secondary indexes are dropped for the bulk insert and rebuilt afterwards, which is
     # several times faster than maintaining them row by row. DDL is transactional, so an
     # interrupted seed leaves the indexes in place.
@@ -194,70 +225,114 @@ def _seed_tasks(conn: Connection, rows: int, seed: int, delayed_backlog: int) ->
     conn.execute(
         text(_SEED_TASKS),
         {
-            "rows": rows,
-            "seed": seed,
-            "heavy": HEAVY_COMPANIES,
-            "companies": COMPANIES,
-            "heavy_share": HEAVY_SHARE,
+            "rows": shape.rows,
+            "seed": shape.seed,
+            "active": shape.active,
+            "delayed_fraction": shape.delayed_fraction,
         },
     )
-    if delayed_backlog:
-        conn.execute(
-            text(_SEED_BACKLOG),
-            {"rows": delayed_backlog, "seed": seed, "company_no": BACKLOG_COMPANY},
-        )
     for _, definition in indexes:
         conn.execute(text(definition))
 
 
-def seed(engine: Engine, rows: int, seed: int = 42, delayed_backlog: int = 0) -> SeedStats:
-    """Replace every company and task with the reference workload; return its statistics.
-
-    `delayed_backlog`: that many extra pending rows, runnable only tomorrow, for one light
-    company (module docstring); 0 for the reference workload alone.
-    """
+def seed(engine: Engine, shape: Shape) -> SeedStats:
+    """Replace every company and task with `shape`'s workload; return its statistics."""
     started = time.perf_counter()
     with engine.begin() as conn:
-        conn.execute(text("TRUNCATE companies, tasks"))
+        # companies cascades to company_queues; the companies trigger recreates its rows.
+        conn.execute(text("TRUNCATE companies, tasks CASCADE"))
         # random() in [0, 1) must be deterministic: setseed takes [-1, 1].
-        conn.execute(text("SELECT setseed(:s)"), {"s": (seed % 1000) / 1000.0})
-        conn.execute(
-            text(_SEED_COMPANIES),
-            {"heavy": HEAVY_COMPANIES, "companies": COMPANIES},
-        )
-        _seed_tasks(conn, rows, seed, delayed_backlog)
-        marker = seed_marker(rows, seed, delayed_backlog)
-        conn.execute(text(f"COMMENT ON TABLE tasks IS '{marker}'"))
+        conn.execute(text("SELECT setseed(:s)"), {"s": (shape.seed % 1000) / 1000.0})
+        conn.execute(text(_SEED_COMPANIES), {"companies": shape.companies})
+        _seed_tasks(conn, shape)
+    _catch_up(engine)
+    with engine.begin() as conn:
+        conn.execute(text(f"COMMENT ON TABLE tasks IS '{shape.marker()}'"))
     # VACUUM sets the visibility map (index-only scans) and ANALYZE gives the planner
     # the real distribution; neither may run inside a transaction block.
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text("VACUUM (ANALYZE) companies, tasks"))
+    vacuum(engine, analyze=True)
     return stats(engine, time.perf_counter() - started)
+
+
+def _catch_up(engine: Engine) -> None:
+    # One committed claim of batch 1 per PROMOTE_LIMIT waiting companies, its task handed
+    # back at once (module docstring). Bounded: a claim that stops promoting ends the loop.
+    waiting = _count(engine, _NOT_YET_PROMOTED)
+    while waiting:
+        with Session(engine) as session:
+            batch = queue.claim(session, worker_id=CATCH_UP_WORKER, batch_size=1)
+            session.commit()
+            queue.release_tasks(session, [task.lease for task in batch])
+            session.commit()
+        left = _count(engine, _NOT_YET_PROMOTED)
+        if left >= waiting:
+            raise RuntimeError(f"the claim promotes no more companies ({left} left waiting)")
+        waiting = left
+
+
+def _count(engine: Engine, sql: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(sql)).scalar_one())
+
+
+def vacuum(engine: Engine, *, analyze: bool = False) -> None:
+    """VACUUM every table of the schema, index passes included (whatever the claim touches)."""
+    options = "INDEX_CLEANUP ON, ANALYZE" if analyze else "INDEX_CLEANUP ON"
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        tables = conn.execute(
+            text("SELECT quote_ident(tablename) FROM pg_tables WHERE schemaname = 'public'")
+        ).scalars()
+        conn.execute(text(f"VACUUM ({options}) {', '.join(tables)}"))
 
 
 def stats(engine: Engine, seconds: float = 0.0) -> SeedStats:
     """Count what the database behind `engine` holds now."""
     with engine.connect() as conn:
-        row = conn.execute(text(_STATS), {"stale": STALE_AFTER_SECONDS}).one()
+        row = conn.execute(text(_STATS)).one()
     return SeedStats(
         total=row.total,
-        eligible=row.eligible,
-        pending=row.pending,
+        runnable=row.runnable,
         delayed=row.delayed,
-        processing=row.processing,
-        terminal=row.terminal,
+        companies=row.companies,
+        with_work=row.with_work,
+        ready=row.ready,
+        waiting=row.waiting,
         seconds=seconds,
     )
+
+
+def _match_schema(url: str) -> None:
+    # The migrations may have been edited in place since this database was migrated
+    # (alembic sees the same head revision and does nothing): then start from scratch.
+    fingerprint = f"fairq migrations {schema_fingerprint()}"
+    engine = stack.script_engine(url, "fairq-bench")
+    try:
+        with engine.begin() as conn:
+            stored = conn.execute(
+                text("SELECT obj_description('public'::regnamespace, 'pg_namespace')")
+            ).scalar_one()
+            if stored == fingerprint:
+                return
+            print("the migrations changed since this database was migrated: rebuilding it")
+            conn.execute(text("DROP SCHEMA public CASCADE"))
+            conn.execute(text("CREATE SCHEMA public"))
+        stack.migrate(url)
+        with engine.begin() as conn:
+            conn.execute(text(f"COMMENT ON SCHEMA public IS '{fingerprint}'"))
+    finally:
+        engine.dispose()
 
 
 @contextmanager
 def database(url: str | None) -> Iterator[str]:
     """Yield a migrated database URL: `url`, `DATABASE_URL`, or the embedded server.
 
-    The embedded server keeps its data in `.pgdata/bench` and is stopped on exit. The rows
-    are kept (`bench_claim --reuse` measures an earlier seed).
+    The database is rebuilt when the migrations changed since it was migrated. The embedded
+    server keeps its data in `.pgdata/bench` and is stopped on exit. The rows are kept
+    (`bench_claim --reuse` measures an earlier seed).
     """
     with stack.database(url or os.environ.get("DATABASE_URL") or None, "bench", empty=False) as db:
+        _match_schema(db)
         yield db
 
 
@@ -266,18 +341,25 @@ def bench_engine(url: str) -> Engine:
     return make_engine(url, application_name="fairq-bench", poolclass=pool.SingletonThreadPool)
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--rows`, `--delayed-fraction` and `--seed` (the shape's size; not its tenants)."""
+    parser.add_argument("--rows", type=int, default=100_000, help="pending tasks (default 100000)")
+    parser.add_argument(
+        "--delayed-fraction",
+        type=float,
+        default=0.2,
+        metavar="F",
+        help="fraction of the tasks runnable only in 1 to 2 days (default 0.2)",
+    )
+    parser.add_argument("--seed", type=int, default=42, help="random seed (default 42)")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line of this script."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--rows", type=int, default=100_000, help="task rows (default 100000)")
-    parser.add_argument("--seed", type=int, default=42, help="random seed (default 42)")
-    parser.add_argument(
-        "--delayed-backlog",
-        type=int,
-        default=0,
-        metavar="N",
-        help="add N pending rows runnable only tomorrow for one light company (default 0)",
-    )
+    parser.add_argument("--companies", type=int, default=50, help="registered (default 50)")
+    parser.add_argument("--active", type=int, default=50, help="with work (default 50)")
+    add_shape_arguments(parser)
     stack.add_database_url_argument(
         parser,
         "postgresql+psycopg:// URL (created if missing); default DATABASE_URL, else an "
@@ -289,10 +371,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Seed the workload and print what was built."""
     args = parse_args(argv)
+    try:
+        shape = Shape(args.companies, args.active, args.rows, args.delayed_fraction, args.seed)
+    except ValueError as exc:
+        raise SystemExit(f"perf_seed.py: {exc}") from None
     with database(args.database_url) as url:
         engine = bench_engine(url)
         try:
-            print(seed(engine, args.rows, args.seed, args.delayed_backlog).describe())
+            print(shape.describe())
+            print(seed(engine, shape).describe())
         finally:
             engine.dispose()
     return 0
