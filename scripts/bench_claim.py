@@ -37,6 +37,12 @@ connection underneath (`rollback`), and the ten warm-up rounds reach that steady
 `--replan` rolls back through psycopg instead: every statement is parsed and planned on
 every run, as in the benchmark before this one.
 
+`--stale-statistics`: instead of the shapes, the claim on statistics that predate a burst of
+inserts. For 1 and 50 companies: 10 tasks each, ANALYZE, autovacuum off on the queue tables,
+then `--burst` (500,000) more pending tasks, and ours is timed before and after an ANALYZE
+(the goal: at most 2x; a planner that trusted the old statistics once hash-joined the whole
+backlog, 360-400 ms a claim instead of 1.6 ms).
+
 `--explain`: EXPLAIN (ANALYZE, BUFFERS) of every statement ours ran, replayed with the very
 parameters it used (unprepared: planning time included), and of the previous claim, then
 each prepared statement's count of generic and custom plans. Timings are printed, never
@@ -45,7 +51,7 @@ asserted; a failed check makes the exit status 1.
 Usage:
     PYTHONPATH=. .venv/bin/python scripts/bench_claim.py [--companies N --active M]
         [--rows 100000] [--million] [--delayed-fraction 0.2] [--runs 11] [--warmup 10]
-        [--replan] [--reuse] [--explain] [--seed 42]
+        [--replan] [--reuse] [--explain] [--seed 42] [--stale-statistics [--burst 500000]]
         [--database-url postgresql+psycopg://postgres@127.0.0.1:5432/fairq_bench]
 """
 
@@ -612,6 +618,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--explain", action="store_true", help="print EXPLAIN ANALYZE of ours and the previous"
     )
+    parser.add_argument(
+        "--stale-statistics",
+        action="store_true",
+        help="time ours after a burst of inserts that ANALYZE has not seen, then after ANALYZE",
+    )
+    parser.add_argument(
+        "--burst", type=int, default=500_000, help="tasks inserted after ANALYZE (500000)"
+    )
     stack.add_database_url_argument(
         parser,
         "postgresql+psycopg:// URL (created if missing; its tasks are replaced); "
@@ -640,9 +654,82 @@ def shapes(args: argparse.Namespace) -> list[perf_seed.Shape]:
     ]
 
 
+def _time_ours(engine: Engine, runs: int, warmup: int) -> tuple[float, int]:
+    """Median milliseconds of ours over `runs` rolled-back claims, and the last batch size."""
+    times: list[float] = []
+    batch: Sequence[Any] = ()
+    with Session(engine) as session:
+        for i in range(warmup + runs):
+            session.connection()
+            started = time.perf_counter()
+            batch = _ours(session)
+            elapsed = (time.perf_counter() - started) * 1000.0
+            rollback(session, keep_prepared=True)
+            if i >= warmup:
+                times.append(elapsed)
+    return statistics.median(times), len(batch)
+
+
+def stale_statistics(engine: Engine, args: argparse.Namespace) -> list[str]:
+    """Ours after a burst of inserts on old statistics, and after ANALYZE: one line each."""
+    lines = []
+    for companies in (1, 50):
+        with engine.begin() as conn:
+            conn.execute(text("TRUNCATE tasks, company_queues, companies"))
+            conn.execute(text("UPDATE claim_cursor SET ring_position = 0, credit = 0"))
+            for table_name in ("tasks", "company_queues"):
+                conn.execute(text(f"ALTER TABLE {table_name} SET (autovacuum_enabled = false)"))
+            conn.execute(
+                text(
+                    "INSERT INTO companies (name, api_key_hash) "
+                    "SELECT 'stale ' || g, md5('stale ' || g) FROM generate_series(1, :n) g"
+                ),
+                {"n": companies},
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO tasks (company_id, type, payload) "
+                    "SELECT c.id, 'noop', '{}' FROM companies c, generate_series(1, 10)"
+                )
+            )
+        with engine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("VACUUM ANALYZE"))
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO tasks (company_id, type, payload) "
+                    "SELECT c.id, 'noop', '{}' FROM companies c, generate_series(1, :n)"
+                ),
+                {"n": args.burst // companies},
+            )
+        before, got_before = _time_ours(engine, args.runs, args.warmup)
+        with engine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("ANALYZE"))
+        after, got_after = _time_ours(engine, args.runs, args.warmup)
+        with engine.begin() as conn:
+            for table_name in ("tasks", "company_queues"):
+                conn.execute(text(f"ALTER TABLE {table_name} RESET (autovacuum_enabled)"))
+        lines.append(
+            f"{companies:>2} compan{'y' if companies == 1 else 'ies'}: "
+            f"stale statistics {before:6.2f} ms, after ANALYZE {after:6.2f} ms, "
+            f"ratio {before / after:.2f}x (goal at most 2x); batches {got_before}/{got_after}"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every shape, then print one table per size."""
     args = parse_args(argv)
+    if args.stale_statistics:
+        with perf_seed.database(args.database_url) as url:
+            engine = perf_seed.bench_engine(url)
+            try:
+                lines = stale_statistics(engine, args)
+            finally:
+                engine.dispose()
+        print(f"{args.burst:,} pending tasks inserted after ANALYZE saw 10 per company")
+        print("\n".join(lines))
+        return 0
     results: list[Result] = []
     with perf_seed.database(args.database_url) as url:
         engine = perf_seed.bench_engine(url)
