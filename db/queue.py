@@ -507,6 +507,10 @@ def _driver(session: Session) -> psycopg.Connection[Any]:
     # need no ORM, and SQLAlchemy's per-statement work was a fifth of the claim's time.
     driver = session.connection().connection.driver_connection
     assert isinstance(driver, psycopg.Connection)
+    if driver.autocommit:
+        # Each statement would be a transaction of its own: the claimers' lock and the
+        # pinned plan would end with the first one.
+        raise RuntimeError("the claim needs a transaction; the connection is in autocommit")
     return driver
 
 
