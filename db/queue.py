@@ -420,11 +420,16 @@ UPDATE company_queues q
 SET due_at = d.due_at,
     ready = coalesce(d.due_at <= statement_timestamp(), false)
 FROM unnest(CAST(%(company_ids)b AS uuid[])) AS u(company_id)
-CROSS JOIN LATERAL (
-    SELECT min(t.run_after) AS due_at
+LEFT JOIN LATERAL (
+    -- The earliest pending run_after, read from the head of the company's pending range:
+    -- ordered as ix_tasks_pending_company_run_after is, which no other index is without a
+    -- sort, so no plan walks the company's other rows.
+    SELECT t.run_after AS due_at
     FROM tasks t
     WHERE t.company_id = u.company_id AND t.status = 'pending'
-) d
+    ORDER BY t.run_after, t.id
+    LIMIT 1
+) d ON true
 WHERE q.company_id = u.company_id
 """
 )
