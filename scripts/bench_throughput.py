@@ -1,51 +1,79 @@
-"""Drain throughput of the real worker supervisor (DESIGN §9): noop tasks per second.
+"""Drain throughput of the real worker supervisor, side by side with pgqueuer (DESIGN §9).
 
-Each run empties the tables, inserts `--tasks` pending `noop` tasks spread evenly over
-`--companies` companies, starts `python -m worker` with `--concurrency` children and waits
-until every task is completed. Throughput is tasks / (last `finished_at` - first
-`started_at`), both from the database clock, so process start-up is not counted. Prints each
-run, the median of `--runs`, and the average claim time from the supervisor's metrics.
-Also the CPU time the supervisor and its children used per task (start-up included), which
-other load on the machine disturbs much less than the rate: compare it between settings, e.g.
-`--log-level INFO` against `WARNING`.
+A fairq run empties the tables, inserts `--tasks` pending `noop` tasks spread evenly over the
+companies of one shape (`--companies`, default 1, 50 and 2,000), starts `python -m worker`
+with `--concurrency` children and waits until every task is completed. A pgqueuer run (when
+the optional `bench` extra is installed: `pip install -e '.[bench]'`) enqueues as many jobs
+of a no-op entrypoint into pgqueuer's own tables in the same database, starts `--concurrency`
+processes that each run a `QueueManager` in drain mode with the same `--batch-size`, and
+waits until they exit. pgqueuer has no tenants: its figure is the one reference for every
+shape. Runs are interleaved, round after round (fairq with each shape, each followed by a
+pgqueuer run), so both sides see the same load on the machine.
+
+Throughput, the same definition on both sides, from the database clock, so process start-up
+is not counted: tasks / (last finish - first start). fairq: max(`finished_at`) -
+min(`started_at`) of the tasks; pgqueuer: the last `successful` row of its log table minus
+the first `picked` one. Also printed: the CPU time the worker processes used per task
+(start-up included; less disturbed by other load than the rate), and for fairq the mean
+claim time from the supervisor's metrics. The summary has the median of each, and the ratios
+the goal is stated in: fairq / pgqueuer per shape, and 1 company / 50 companies.
 
 PostgreSQL: `--database-url`, else an embedded PostgreSQL 16 with its data in
 `.pgdata/bench-throughput` (durable defaults: fsync and synchronous_commit on, unless
-`--fast-commit`), stopped at the end.
+`--fast-commit`), stopped at the end. pgqueuer talks to it through asyncpg, its fastest
+driver (`--pgqueuer-driver psycopg` for the psycopg one).
 
 Usage:
     PYTHONPATH=. .venv/bin/python scripts/bench_throughput.py [--tasks 20000]
-        [--companies 50] [--runs 3] [--concurrency 2] [--batch-size 100]
-        [--log-level WARNING] [--log-format text] [--fast-commit]
+        [--companies 1,50,2000] [--runs 3] [--concurrency 2] [--batch-size 100]
+        [--log-level WARNING] [--log-format text] [--no-pgqueuer] [--fast-commit]
         [--database-url postgresql+psycopg://postgres@127.0.0.1:5432/fairq_bench]
 """
 
 from __future__ import annotations
 
 import argparse
-import resource
+import asyncio
+import importlib.util
+import logging
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine, text
+from sqlalchemy.engine import make_url
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts import stack  # noqa: E402  (needs the repository on sys.path)
 
+if TYPE_CHECKING:
+    from pgqueuer import Queries
+
+# The goal of issue 9 on the reference box (README "Performance").
+GOAL_VS_PGQUEUER = 1.25
+GOAL_LONE_VS_50 = 0.9
+PGQUEUER_ENTRYPOINT = "noop"
+PGQUEUER_APPLICATION_NAME = "fairq-bench-pgqueuer"
+
+Closer = Callable[[], Awaitable[None]]
+
 
 @contextmanager
 def bench_database(url: str | None, name: str, *, fast_commit: bool) -> Iterator[str]:
     """Yield a migrated database URL: `url`, else an embedded server in `.pgdata/bench-<name>`."""
     options = {"synchronous_commit": "off"} if fast_commit else None
-    with stack.database(url, f"bench-{name}", options=options) as db:
+    # empty=False: `reset` empties the tables before every run anyway.
+    with stack.database(url, f"bench-{name}", options=options, empty=False) as db:
         yield db
 
 
@@ -66,7 +94,8 @@ def add_database_arguments(parser: argparse.ArgumentParser) -> None:
 def reset(engine: Engine) -> None:
     """Empty the tables and refresh statistics, so every run starts alike."""
     with engine.begin() as conn:
-        conn.execute(text("TRUNCATE tasks, companies"))
+        # CASCADE: company_queues (and whatever else references companies) goes too.
+        conn.execute(text("TRUNCATE tasks, companies CASCADE"))
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text("VACUUM ANALYZE tasks, companies"))
 
@@ -113,76 +142,384 @@ def completed(engine: Engine) -> int:
 
 @dataclass(frozen=True)
 class RunResult:
-    """One drain: tasks, seconds between first start and last finish, claims seen."""
+    """One drain: tasks, seconds from first start to last finish, CPU used, claims seen.
+
+    CPU seconds are those of the worker processes (fairq: the supervisor and its children)
+    and of their PostgreSQL backends while they drained, start-up excluded; `None` when the
+    server's processes cannot be read (a server on another machine).
+    """
 
     tasks: int
     seconds: float
-    claims: float
-    claim_seconds: float
-    cpu_seconds: float = 0.0
-
-    @property
-    def cpu_us_per_task(self) -> float:
-        """CPU microseconds the supervisor and its children spent per task."""
-        return 1e6 * self.cpu_seconds / self.tasks
+    cpu_seconds: float
+    db_cpu_seconds: float | None
+    claims: float = 0.0
+    claim_seconds: float = 0.0
 
     @property
     def rate(self) -> float:
         """Tasks per second."""
         return self.tasks / self.seconds
 
+    @property
+    def cpu_us_per_task(self) -> float:
+        """CPU microseconds the worker processes spent per task."""
+        return 1e6 * self.cpu_seconds / self.tasks
 
-def run_once(engine: Engine, url: str, args: argparse.Namespace, workdir: Path) -> RunResult:
-    """Seed, drain with a fresh supervisor, measure."""
+    @property
+    def db_cpu_us_per_task(self) -> float | None:
+        """CPU microseconds their PostgreSQL backends spent per task."""
+        return None if self.db_cpu_seconds is None else 1e6 * self.db_cpu_seconds / self.tasks
+
+    @property
+    def mean_claim_ms(self) -> float:
+        """Mean duration of one claim transaction (lock wait included), in milliseconds."""
+        return 1000 * self.claim_seconds / self.claims if self.claims else 0.0
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu(pids: Sequence[int]) -> float | None:
+    """CPU seconds (user + system) these processes used so far, from /proc; None if unreadable."""
+    total = 0.0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        fields = stat.rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime
+    return total
+
+
+def backend_pids(engine: Engine, application_name: str) -> list[int]:
+    """The server processes of this database's connections with this application_name pattern."""
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                text(
+                    "SELECT pid FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND application_name LIKE :name"
+                ),
+                {"name": application_name},
+            ).scalars()
+        )
+
+
+def _delta(after: float | None, before: float | None) -> float | None:
+    return None if after is None or before is None else after - before
+
+
+def run_once(
+    engine: Engine, url: str, args: argparse.Namespace, workdir: Path, companies: int
+) -> RunResult:
+    """Start a supervisor, let it boot, then seed `companies` companies' tasks and drain them."""
     reset(engine)
-    seed_tasks(engine, seed_companies(engine, args.companies), args.tasks)
-    # The supervisor reaps its children, and this process reaps the supervisor: its rusage
-    # then counts the whole tree.
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    sup = stack.start_supervisor(
-        url,
-        workdir,
-        {
-            "WORKER_CONCURRENCY": str(args.concurrency),
-            "WORKER_BATCH_SIZE": str(args.batch_size),
-            "LOG_LEVEL": args.log_level,
-            "LOG_FORMAT": args.log_format,
-        },
-    )
-    try:
+    companies_ids = seed_companies(engine, companies)
+    env = {
+        "WORKER_CONCURRENCY": str(args.concurrency),
+        "WORKER_BATCH_SIZE": str(args.batch_size),
+        "LOG_LEVEL": args.log_level,
+        "LOG_FORMAT": args.log_format,
+        "SHUTDOWN_TIMEOUT_SECONDS": "30",
+    }
+    with stack.supervisor(url, workdir, concurrency=args.concurrency, env=env) as sup:
+        # A child has booted once its LISTEN connection is open (the last step of its boot).
+        deadline = time.monotonic() + 60
+        while len(backend_pids(engine, "fairq-worker-listen")) < args.concurrency:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"children did not boot:\n{sup.log()[-3000:]}")
+            time.sleep(0.05)
+        processes = [sup.pid, *sup.children()]
+        backends = backend_pids(engine, "fairq-worker%")
+        start = sup.metrics()
+        cpu, db_cpu = process_cpu(processes), process_cpu(backends)
+        seed_tasks(engine, companies_ids, args.tasks)
+        with engine.begin() as conn:  # as the API does: wake the idle children
+            conn.execute(text("SELECT pg_notify('fairq_tasks', '')"))
         deadline = time.monotonic() + args.timeout
         while completed(engine) < args.tasks:
-            if sup.proc.poll() is not None:
+            if not sup.running():
                 raise RuntimeError(f"supervisor exited:\n{sup.log()[-3000:]}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"not drained after {args.timeout}s")
-            time.sleep(0.25)
-        metrics = sup.metrics()
-    finally:
-        status = sup.stop(60.0)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    if status != 0:
-        raise RuntimeError(f"supervisor exited with {status}:\n{sup.log()[-3000:]}")
+            time.sleep(0.05)
+        # The children's connections as they are now: a pass may have opened another.
+        cpu = _delta(process_cpu(processes), cpu)
+        db_cpu = _delta(process_cpu(backends), db_cpu)
+        end = sup.metrics()
+    if cpu is None:
+        raise RuntimeError("a worker process exited while draining")
     with engine.connect() as conn:
         seconds = conn.execute(
             text("SELECT extract(epoch FROM max(finished_at) - min(started_at)) FROM tasks")
         ).scalar_one()
+
+    def grew(name: str) -> float:
+        return end.get(name, 0.0) - start.get(name, 0.0)
+
     return RunResult(
         args.tasks,
         float(seconds),
-        metrics.get("claim_duration_seconds_count", 0.0),
-        metrics.get("claim_duration_seconds_sum", 0.0),
         cpu,
+        db_cpu,
+        grew("claim_duration_seconds_count"),
+        grew("claim_duration_seconds_sum"),
     )
+
+
+# -- pgqueuer ------------------------------------------------------------------------------
+
+
+def pgqueuer_missing() -> str | None:
+    """Why the pgqueuer side cannot run (not installed), or None."""
+    if importlib.util.find_spec("pgqueuer") is None:
+        return "pgqueuer is not installed (pip install -e '.[bench]'): fairq side only"
+    return None
+
+
+def default_pgqueuer_driver() -> str:
+    """asyncpg when installed (pgqueuer's fastest driver), else psycopg."""
+    return "asyncpg" if importlib.util.find_spec("asyncpg") is not None else "psycopg"
+
+
+def libpq_url(url: str) -> str:
+    """A SQLAlchemy URL as a plain `postgresql://` URL for asyncpg or psycopg."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+async def _pgqueuer_queries(dsn: str, driver: str) -> tuple[Queries, Closer]:
+    """Queries over one new autocommit connection (pgqueuer requires autocommit), its closer."""
+    from pgqueuer import Queries
+
+    if driver == "asyncpg":
+        import asyncpg
+        from pgqueuer.db import AsyncpgDriver
+
+        connection = await asyncpg.connect(
+            dsn=dsn, server_settings={"application_name": PGQUEUER_APPLICATION_NAME}
+        )
+        return Queries(AsyncpgDriver(connection)), connection.close
+    import psycopg
+    from pgqueuer.db import PsycopgDriver
+
+    aconnection = await psycopg.AsyncConnection.connect(
+        dsn, autocommit=True, application_name=PGQUEUER_APPLICATION_NAME
+    )
+    return Queries(PsycopgDriver(aconnection)), aconnection.close
+
+
+async def _pgqueuer_seed(dsn: str, driver: str, count: int) -> None:
+    """Install pgqueuer's schema if missing, empty its tables, enqueue `count` no-op jobs."""
+    queries, close = await _pgqueuer_queries(dsn, driver)
+    try:
+        if not await queries.schema_is_installed():
+            await queries.install()
+        settings = queries.qbe.settings
+        tables = (settings.queue_table, settings.queue_table_log, settings.statistics_table)
+        await queries.driver.execute(f"TRUNCATE {', '.join(tables)}")
+        # As `reset` does for fairq's tables, so both sides start from fresh statistics.
+        await queries.driver.execute(f"VACUUM ANALYZE {', '.join(tables)}")
+        await queries.enqueue([PGQUEUER_ENTRYPOINT] * count, [None] * count, [0] * count)
+        await queries.driver.execute(f"ANALYZE {settings.queue_table}")
+    finally:
+        await close()
+
+
+async def _pgqueuer_seconds(dsn: str, driver: str) -> tuple[int, float]:
+    """(jobs that succeeded, seconds from the first pick to the last success)."""
+    queries, close = await _pgqueuer_queries(dsn, driver)
+    try:
+        [row] = await queries.driver.fetch(
+            "SELECT count(*) FILTER (WHERE status = 'successful') AS done, "
+            "extract(epoch FROM max(created) FILTER (WHERE status = 'successful') "
+            "                  - min(created) FILTER (WHERE status = 'picked')) AS seconds "
+            f"FROM {queries.qbe.settings.queue_table_log}"
+        )
+        return int(str(row["done"])), float(str(row["seconds"]))
+    finally:
+        await close()
+
+
+async def _pgqueuer_drain(dsn: str, driver: str, batch_size: int) -> None:
+    """One pgqueuer worker: a QueueManager in drain mode whose only entrypoint does nothing.
+
+    Connects, then says `ready` on stdout and waits for a line on stdin, so every process of
+    a run starts draining together; once drained, says `drained` and waits for another line
+    before it disconnects, so its CPU and its server process's can be read.
+    """
+    from pgqueuer import QueueManager
+    from pgqueuer.models import Job
+    from pgqueuer.types import QueueExecutionMode
+
+    async def noop(job: Job) -> None:
+        """Succeed at once, like fairq's `noop`."""
+
+    queries, close = await _pgqueuer_queries(dsn, driver)
+    manager = QueueManager(queries)
+    manager.entrypoint(PGQUEUER_ENTRYPOINT)(noop)
+    loop = asyncio.get_running_loop()
+    print("ready", flush=True)
+    await loop.run_in_executor(None, sys.stdin.readline)
+    try:
+        await manager.run(batch_size=batch_size, mode=QueueExecutionMode.drain)
+        print("drained", flush=True)
+        await loop.run_in_executor(None, sys.stdin.readline)
+    finally:
+        await close()
+
+
+def pgqueuer_worker(url: str, driver: str, batch_size: int) -> int:
+    """Entry point of one pgqueuer worker process (`--pgqueuer-worker`)."""
+    logging.basicConfig(level=logging.WARNING)  # as fairq's side runs at --log-level WARNING
+    coroutine = _pgqueuer_drain(libpq_url(url), driver, batch_size)
+    try:
+        import uvloop  # a dependency of pgqueuer; its own benchmark runs on it
+    except ImportError:
+        asyncio.run(coroutine)
+    else:
+        uvloop.run(coroutine)
+    return 0
+
+
+def run_pgqueuer_once(
+    engine: Engine, url: str, args: argparse.Namespace, workdir: Path
+) -> RunResult:
+    """Enqueue, drain with `--concurrency` pgqueuer processes started together, measure."""
+    dsn = libpq_url(url)
+    asyncio.run(_pgqueuer_seed(dsn, args.pgqueuer_driver, args.tasks))
+    workdir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        sys.executable, str(Path(__file__).resolve()), "--pgqueuer-worker",
+        "--pgqueuer-driver", args.pgqueuer_driver, "--batch-size", str(args.batch_size),
+        "--database-url", url,
+    ]  # fmt: skip
+    procs: list[subprocess.Popen[str]] = []
+
+    def tell_all(line: str) -> None:
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
+
+    def hear_all(line: str) -> None:
+        deadline = time.monotonic() + args.timeout
+        for proc in procs:
+            assert proc.stdout is not None
+            # A worker that fails or hangs shows in its log; readline returns "" on exit.
+            if proc.stdout.readline().strip() != line or time.monotonic() > deadline:
+                raise RuntimeError(f"pgqueuer worker did not say {line!r}: {_tail(workdir)}")
+
+    try:
+        for index in range(args.concurrency):
+            with (workdir / f"pgqueuer-{index}.log").open("w") as err:
+                proc = subprocess.Popen(
+                    argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=err, text=True,
+                )  # fmt: skip
+                procs.append(proc)
+        hear_all("ready")
+        processes = [proc.pid for proc in procs]
+        backends = backend_pids(engine, PGQUEUER_APPLICATION_NAME)
+        cpu, db_cpu = process_cpu(processes), process_cpu(backends)
+        tell_all("go")
+        hear_all("drained")
+        cpu = _delta(process_cpu(processes), cpu)
+        db_cpu = _delta(process_cpu(backends), db_cpu)
+        tell_all("exit")
+        for proc in procs:
+            if proc.wait(30) != 0:
+                raise RuntimeError(
+                    f"pgqueuer worker exited with {proc.returncode}: {_tail(workdir)}"
+                )
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if cpu is None:
+        raise RuntimeError("a pgqueuer worker exited while draining")
+    done, seconds = asyncio.run(_pgqueuer_seconds(dsn, args.pgqueuer_driver))
+    if done != args.tasks:
+        raise RuntimeError(f"pgqueuer completed {done} of {args.tasks} jobs: {_tail(workdir)}")
+    return RunResult(args.tasks, seconds, cpu, db_cpu)
+
+
+def _tail(workdir: Path) -> str:
+    return "\n".join(p.read_text()[-1500:] for p in sorted(workdir.glob("pgqueuer-*.log")))
+
+
+# -- the side-by-side run ------------------------------------------------------------------
+
+
+def describe(result: RunResult) -> str:
+    """One run as printed."""
+    line = (
+        f"{result.tasks} tasks in {result.seconds:.3f} s = {result.rate:,.0f} tasks/s "
+        f"(CPU per task: worker {result.cpu_us_per_task:.1f} us"
+    )
+    if result.db_cpu_us_per_task is not None:
+        line += f", PostgreSQL {result.db_cpu_us_per_task:.1f} us"
+    if result.claims:
+        line += f"; {result.claims:.0f} claims, mean claim {result.mean_claim_ms:.1f} ms"
+    return line + ")"
+
+
+def summarize(
+    fairq: dict[int, list[RunResult]], pgqueuer: list[RunResult], args: argparse.Namespace
+) -> list[str]:
+    """The medians, the ratios the goal is stated in, and whether each goal is met."""
+
+    def median_rate(results: Sequence[RunResult]) -> float:
+        return statistics.median(r.rate for r in results)
+
+    def median_cpu(results: Sequence[RunResult]) -> str:
+        text = (
+            f"CPU per task: worker {statistics.median(r.cpu_us_per_task for r in results):.1f} us"
+        )
+        db = [r.db_cpu_us_per_task for r in results if r.db_cpu_us_per_task is not None]
+        return text + (f", PostgreSQL {statistics.median(db):.1f} us" if db else "")
+
+    reference = median_rate(pgqueuer) if pgqueuer else None
+    lines = [
+        f"medians ({args.tasks} noop tasks, {args.concurrency} processes, batch "
+        f"{args.batch_size}, log level {args.log_level}, {args.runs} runs each):"
+    ]
+    if reference is not None:
+        lines.append(
+            f"  pgqueuer ({args.pgqueuer_driver}, {len(pgqueuer)} runs): "
+            f"{reference:,.0f} tasks/s ({median_cpu(pgqueuer)})"
+        )
+    for companies, results in fairq.items():
+        rate = median_rate(results)
+        line = (
+            f"  fairq, {companies} compan{'y' if companies == 1 else 'ies'}: {rate:,.0f} "
+            f"tasks/s ({median_cpu(results)})"
+        )
+        if reference is not None:
+            ratio = rate / reference
+            verdict = "met" if ratio >= GOAL_VS_PGQUEUER else "NOT met"
+            line += f"; x{ratio:.2f} pgqueuer (goal x{GOAL_VS_PGQUEUER}: {verdict})"
+        lines.append(line)
+    if 1 in fairq and 50 in fairq:
+        ratio = median_rate(fairq[1]) / median_rate(fairq[50])
+        verdict = "met" if ratio >= GOAL_LONE_VS_50 else "NOT met"
+        lines.append(
+            f"  1 company / 50 companies: x{ratio:.2f} (goal x{GOAL_LONE_VS_50}: {verdict})"
+        )
+    return lines
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=int, default=20_000)
-    parser.add_argument("--companies", type=int, default=50)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--companies", default="1,50,2000",
+        help="comma-separated shapes: how many companies the tasks are spread over",
+    )  # fmt: skip
+    parser.add_argument("--runs", type=int, default=3, help="rounds (runs per shape)")
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument(
@@ -191,41 +528,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--log-format", default="text", choices=("text", "json"))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run at most")
+    parser.add_argument(
+        "--no-pgqueuer", action="store_true", help="skip the pgqueuer side even if installed"
+    )
+    parser.add_argument(
+        "--pgqueuer-driver", choices=("asyncpg", "psycopg"), default=default_pgqueuer_driver()
+    )
+    parser.add_argument("--pgqueuer-worker", action="store_true", help=argparse.SUPPRESS)
     add_database_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.shapes = [int(n) for n in str(args.companies).split(",") if n.strip()]
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the results."""
     args = parse_args(argv)
+    if args.pgqueuer_worker:
+        return pgqueuer_worker(args.database_url, args.pgqueuer_driver, args.batch_size)
+    skip = "skipped (--no-pgqueuer)" if args.no_pgqueuer else pgqueuer_missing()
+    if skip:
+        print(f"pgqueuer side: {skip}", flush=True)
+    fairq: dict[int, list[RunResult]] = {n: [] for n in args.shapes}
+    pgqueuer: list[RunResult] = []
     with (
         bench_database(args.database_url, "throughput", fast_commit=args.fast_commit) as url,
         tempfile.TemporaryDirectory(prefix="fairq-bench-") as tmp,
     ):
         engine = engine_for(url)
         try:
-            results = []
             for run in range(1, args.runs + 1):
-                result = run_once(engine, url, args, Path(tmp) / f"run-{run}")
-                results.append(result)
-                claim_ms = 1000 * result.claim_seconds / result.claims if result.claims else 0
-                print(
-                    f"run {run}: {result.tasks} tasks in {result.seconds:.3f} s = "
-                    f"{result.rate:,.0f} tasks/s ({result.claims:.0f} claims, "
-                    f"mean claim {claim_ms:.1f} ms; worker CPU "
-                    f"{result.cpu_us_per_task:.1f} us/task)",
-                    flush=True,
-                )
-            median = statistics.median(r.rate for r in results)
-            cpu = statistics.median(r.cpu_us_per_task for r in results)
-            print(
-                f"median of {args.runs}: {median:,.0f} tasks/s, worker CPU {cpu:.1f} us/task "
-                f"({args.tasks} noop tasks, {args.companies} companies, "
-                f"{args.concurrency} children, batch {args.batch_size}, "
-                f"log level {args.log_level}, format {args.log_format})"
-            )
+                for companies in args.shapes:
+                    workdir = Path(tmp) / f"run-{run}-{companies}"
+                    result = run_once(engine, url, args, workdir, companies)
+                    fairq[companies].append(result)
+                    print(f"run {run} fairq, {companies} companies: {describe(result)}", flush=True)
+                    if skip:
+                        continue
+                    result = run_pgqueuer_once(engine, url, args, workdir / "pgqueuer")
+                    pgqueuer.append(result)
+                    print(f"run {run} pgqueuer: {describe(result)}", flush=True)
         finally:
             engine.dispose()
+    print("\n".join(summarize(fairq, pgqueuer, args)))
     return 0
 
 

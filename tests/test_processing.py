@@ -10,14 +10,14 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import psycopg
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
-from sqlalchemy import Engine, pool, text
+from sqlalchemy import Engine, event, pool, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -45,8 +45,8 @@ class Recorder:
     def claim_seconds(self, seconds: float) -> None:
         self.calls.append(("claim_seconds",))
 
-    def completed(self, task_type: str, seconds: float) -> None:
-        self.calls.append(("completed", task_type))
+    def completed(self, task_type: str, seconds: Sequence[float]) -> None:
+        self.calls.extend(("completed", task_type) for _ in seconds)
 
     def retried(self, task_type: str, seconds: float | None = None) -> None:
         self.calls.append(("retried", task_type))
@@ -109,6 +109,14 @@ def rows(sessions: sessionmaker[Session], ids: list[uuid.UUID]) -> list[dict[str
         ).mappings()
         by_id = {r["id"]: dict(r) for r in found}
     return [by_id[i] for i in ids]
+
+
+def take_over(
+    session: Session, *, worker_id: str, stale_after: float, batch_size: int = 1
+) -> list[queue.ClaimedTask]:
+    """What another worker does: expire leases older than `stale_after`, then claim."""
+    queue.expire_leases(session, stale_after=stale_after)
+    return queue.claim(session, worker_id=worker_id, batch_size=batch_size)
 
 
 def run_pass(sessions: sessionmaker[Session] | Engine, **kw: Any) -> processing.PassResult:
@@ -274,9 +282,7 @@ def test_a_lease_taken_over_during_the_handler_is_counted_as_lost(
                 text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
                 {"id": task.task_id},
             )
-            [taken] = queue.claim(
-                other, worker_id="other:2", batch_size=1, per_company_cap=1, stale_after=300
-            )
+            [taken] = take_over(other, worker_id="other:2", stale_after=300)
             other.commit()
             assert taken.id == task.task_id
 
@@ -305,7 +311,7 @@ def test_a_task_whose_lease_the_heartbeat_found_taken_over_is_not_started(
                 text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
                 {"id": second_id},
             )
-            queue.claim(other, worker_id="other:2", batch_size=1, per_company_cap=1, stale_after=2)
+            take_over(other, worker_id="other:2", stale_after=2)
             other.commit()
         time.sleep(0.5)  # a few heartbeats
 
@@ -352,7 +358,7 @@ def test_an_unstarted_task_the_keeper_saw_taken_over_counts_as_lost_when_stoppin
                 text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
                 {"id": second_id},
             )
-            queue.claim(other, worker_id="other:2", batch_size=1, per_company_cap=1, stale_after=2)
+            take_over(other, worker_id="other:2", stale_after=2)
             other.commit()
         time.sleep(0.5)  # a few heartbeats: the keeper finds the second lease taken over
         stop.set()
@@ -482,6 +488,99 @@ def test_write_owed_writes_what_a_failed_pass_kept(
     assert [r["status"] for r in rows(sessions, ids)] == ["completed"] * 2
 
 
+# -- fewer round trips: the pass's connection, the sweep schedule, one keeper --------------
+
+
+def test_a_pass_given_an_engine_checks_out_one_connection_for_all_its_writes(
+    fresh_engine: Engine, company: uuid.UUID, sessions: sessionmaker[Session], register: Register
+) -> None:
+    """Sweep, claim, the keeper's flushes and the final ones share one checkout (one ping)."""
+    register("slow", lambda task: time.sleep(processing.COMPLETION_FLUSH_SECONDS * 3))
+    add_tasks(sessions, company, 2, "noop", newest_age_seconds=60)
+    add_tasks(sessions, company, 1, "slow")
+    checkouts: list[object] = []
+
+    def checkout(*args: object) -> None:
+        checkouts.append(args)
+
+    event.listen(fresh_engine, "checkout", checkout)
+    try:
+        result = run_pass(fresh_engine)
+    finally:
+        event.remove(fresh_engine, "checkout", checkout)
+    assert result == processing.PassResult(claimed=3, completed=3)
+    assert len(checkouts) == 1
+
+
+def test_a_sweep_schedule_sweeps_expired_leases_only_when_due(
+    fresh_engine: Engine, company: uuid.UUID, sessions: sessionmaker[Session]
+) -> None:
+    def lease_expired_task() -> uuid.UUID:
+        [task_id] = add_tasks(sessions, company, 1, "noop")
+        with sessions() as session:
+            [claimed] = queue.claim(session, worker_id="dead:1", batch_size=1)
+            session.execute(
+                text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
+                {"id": claimed.id},
+            )
+            session.commit()
+        assert claimed.id == task_id
+        return task_id
+
+    schedule = processing.SweepSchedule(interval=3600)
+    first = lease_expired_task()
+    # Due at first: the expired lease is taken back, then claimed and run by the same pass.
+    assert run_pass(fresh_engine, sweep=schedule) == processing.PassResult(claimed=1, completed=1)
+    second = lease_expired_task()
+    # Not due again for an hour: the second expired lease waits.
+    assert run_pass(fresh_engine, sweep=schedule) == processing.PassResult()
+    assert [(r["status"], r["locked_by"]) for r in rows(sessions, [first, second])] == [
+        ("completed", None), ("processing", "dead:1"),
+    ]  # fmt: skip
+    # Without a schedule a pass sweeps every time.
+    assert run_pass(fresh_engine) == processing.PassResult(claimed=1, completed=1)
+
+
+def test_the_child_sweeps_at_least_every_tenth_of_the_stale_window() -> None:
+    assert processing.SweepSchedule.for_stale_window(300).interval == (
+        processing.SWEEP_INTERVAL_SECONDS
+    )
+    assert processing.SweepSchedule.for_stale_window(2).interval == pytest.approx(0.2)
+
+
+@pytest.mark.slow
+def test_one_lease_keeper_heartbeats_for_pass_after_pass(
+    fresh_engine: Engine, company: uuid.UUID, sessions: sessionmaker[Session], register: Register
+) -> None:
+    """Two passes with one keeper: each long task outlives the stale window, none is lost."""
+    stale, task_seconds = 0.6, 1.0
+    register("long", lambda task: time.sleep(task_seconds))
+    settings = processing.PassDefaults(stale_after=stale, heartbeat_interval=0.1)
+    keeper = processing.LeaseKeeper()
+    done = threading.Event()
+    stolen: list[uuid.UUID] = []
+
+    def thief() -> None:
+        with sessions() as session:
+            while not done.wait(0.05):
+                taken = take_over(session, worker_id="thief:9", stale_after=stale)
+                session.commit()
+                stolen.extend(t.id for t in taken)
+
+    competitor = threading.Thread(target=thief)
+    competitor.start()
+    try:
+        for _ in range(2):
+            add_tasks(sessions, company, 1, "long")
+            result = run_pass(fresh_engine, settings=settings, keeper=keeper)
+            assert result == processing.PassResult(claimed=1, completed=1)
+    finally:
+        done.set()
+        competitor.join()
+        keeper.close()
+    assert stolen == []
+
+
 def test_the_lease_keeper_logs_a_database_outage_once_not_every_tick(
     sessions: sessionmaker[Session],
     company: uuid.UUID,
@@ -552,10 +651,7 @@ def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
     def competitor() -> None:
         with sessions() as session:
             while not done.wait(0.05):
-                batch = queue.claim(
-                    session, worker_id="thief:9", batch_size=10, per_company_cap=10,
-                    stale_after=stale,
-                )  # fmt: skip
+                batch = take_over(session, worker_id="thief:9", stale_after=stale, batch_size=10)
                 session.commit()
                 stolen.extend(t.id for t in batch)
 
@@ -575,12 +671,10 @@ def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
     # Control: the same lease without heartbeats is taken over after the stale window.
     [orphan] = add_tasks(sessions, company, 1, "long")
     with sessions() as session:
-        queue.claim(session, worker_id="dies:1", batch_size=1, per_company_cap=1, stale_after=stale)
+        queue.claim(session, worker_id="dies:1", batch_size=1)
         session.commit()
         time.sleep(stale + 0.1)
-        [taken] = queue.claim(
-            session, worker_id="thief:9", batch_size=1, per_company_cap=1, stale_after=stale
-        )
+        [taken] = take_over(session, worker_id="thief:9", stale_after=stale)
         session.commit()
     assert taken.id == orphan
 

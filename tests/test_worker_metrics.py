@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -114,3 +115,61 @@ def test_every_task_type_has_its_series_at_zero_before_its_first_event() -> None
             if s.name.endswith("_total")
         }
         assert samples == {"noop": 0.0, "webhook": 0.0}
+
+
+@pytest.mark.parametrize(
+    "amounts",
+    [
+        [0.0001] * 100,
+        [0.0, 0.001, 0.0011, 0.005, 0.7, 2.5, 299.0, 300.0, 301.0, 1e9],
+        [0.02, 0.003, 0.02, 0.5, 0.003],
+    ],
+)
+def test_observe_all_exposes_what_one_observe_per_amount_does(amounts: list[float]) -> None:
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from worker import metrics
+
+    def exposition(observe: Callable[[Histogram], None]) -> list[str]:
+        registry = CollectorRegistry()
+        histogram = Histogram(
+            "t", "t", ["type"], buckets=metrics.TASK_DURATION_BUCKETS, registry=registry
+        )
+        observe(histogram.labels("noop"))
+        return [
+            line
+            for line in generate_latest(registry).decode().splitlines()
+            if not line.startswith("t_created")
+        ]
+
+    def one_by_one(histogram: Histogram) -> None:
+        for amount in amounts:
+            histogram.observe(amount)
+
+    expected = exposition(one_by_one)
+    got = exposition(lambda histogram: metrics.observe_all(histogram, amounts))
+    # Bucket counts exactly; the sum up to the order its floats were added in.
+    sums = [i for i, line in enumerate(expected) if line.startswith("t_sum")]
+    assert [line for i, line in enumerate(got) if i not in sums] == [
+        line for i, line in enumerate(expected) if i not in sums
+    ]
+    for i in sums:
+        assert float(got[i].split()[-1]) == pytest.approx(float(expected[i].split()[-1]))
+
+
+def test_completions_reported_per_batch_count_each_task() -> None:
+    from worker import metrics
+
+    task_metrics = metrics.TaskMetrics(["noop"])
+    task_metrics.completed("noop", [0.0002] * 70)
+    task_metrics.completed("noop", [0.002, 0.2])
+    task_metrics.completed("noop", [])
+
+    def sample(family: Any, name: str) -> float:
+        return float(sum(s.value for f in family.collect() for s in f.samples if s.name == name))
+
+    assert sample(task_metrics.tasks_completed, "tasks_completed_total") == 72
+    assert sample(task_metrics.task_duration, "task_duration_seconds_count") == 72
+    assert sample(task_metrics.task_duration, "task_duration_seconds_sum") == pytest.approx(
+        70 * 0.0002 + 0.202
+    )

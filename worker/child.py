@@ -19,9 +19,15 @@ Forked by `worker.supervisor`. In order, a child:
    tasks neither wait out their leases nor run again. Every statement of the child's engine
    is bounded by `processing.WORKER_STATEMENT_TIMEOUT_MS`;
 4. stops when the stop flag is set (the pass finishes the task in hand and releases the rest
-   of its batch) or when its parent is gone (`os.getppid()` changed; checked before every
-   task and at least every `ORPHAN_CHECK_SECONDS` while waiting), makes one last attempt to
-   write what it still owes, then exits 0.
+   of its batch) or when its parent is gone (`os.getppid()` changed; looked at before a
+   task at most every `ORPHAN_POLL_SECONDS`, a system call saved on nearly every task, and
+   at least every `ORPHAN_CHECK_SECONDS` while waiting), makes one last attempt to write
+   what it still owes, then exits 0.
+
+Fewer round trips and less work per batch (`worker.processing`): each pass holds one
+connection of the child's engine; expired leases are swept every few seconds
+(`processing.SweepSchedule`), not before every claim; and one lease keeper thread
+(`processing.LeaseKeeper`) serves every pass.
 
 Every `MAINTENANCE_INTERVAL_SECONDS` a child also tries the retention step
 (`db.maintenance`); an advisory lock lets one runner at a time do it, across all hosts.
@@ -70,6 +76,8 @@ APPLICATION_NAME = "fairq-worker"
 LISTEN_APPLICATION_NAME = "fairq-worker-listen"
 
 ORPHAN_CHECK_SECONDS = 1.0
+# While busy, the parent is looked up at most this often (the stop flag itself at every call).
+ORPHAN_POLL_SECONDS = 0.1
 # Backoff after a database error, and between attempts to re-LISTEN.
 RETRY_BACKOFF_MIN_SECONDS = 0.5
 RETRY_BACKOFF_MAX_SECONDS = 10.0
@@ -203,6 +211,9 @@ class Child:
         self._sessions: sessionmaker[Session] | None = None
         self._metrics: metrics.TaskMetrics | None = None
         self._owed: processing.Owed | None = None
+        self._sweep: processing.SweepSchedule | None = None
+        self._keeper: processing.LeaseKeeper | None = None
+        self._orphan_check_at = 0.0  # time.monotonic() of the next look at the parent pid
         self._listener = Listener(settings.database_url, settings.notify_channel)
         self._listen_backoff = _Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
         self._listen_retry_at = 0.0
@@ -251,6 +262,8 @@ class Child:
 
             self._metrics = metrics.TaskMetrics(tasktypes.names())
             self._owed = processing.Owed()
+            self._sweep = processing.SweepSchedule.for_stale_window(self.settings.stale_after)
+            self._keeper = processing.LeaseKeeper()
         except Exception as exc:
             log.exception("importing the processing code failed")
             return f"cannot import the processing code: {exc!r}"
@@ -294,6 +307,8 @@ class Child:
             os.write(self.inherited.status_fd, (line[:1000] + "\n").encode("utf-8", "replace"))
 
     def _close(self) -> None:
+        if self._keeper is not None:
+            self._keeper.close()
         self._listener.close()
         if self._engine is not None:
             self._engine.dispose()
@@ -307,10 +322,15 @@ class Child:
 
     def should_stop(self) -> bool:
         """The stop flag the processing pass checks before each task: TERM or orphaned."""
-        if not self._stop.is_set() and os.getppid() != self.inherited.parent_pid:
-            log.warning("supervisor %d is gone; stopping", self.inherited.parent_pid)
-            self._orphaned = True
-            self._stop.set()
+        if self._stop.is_set():
+            return True
+        now = time.monotonic()
+        if now >= self._orphan_check_at:
+            self._orphan_check_at = now + ORPHAN_POLL_SECONDS
+            if os.getppid() != self.inherited.parent_pid:
+                log.warning("supervisor %d is gone; stopping", self.inherited.parent_pid)
+                self._orphaned = True
+                self._stop.set()
         return self._stop.is_set()
 
     def _loop(self) -> None:
@@ -340,9 +360,9 @@ class Child:
 
         if not self._owed:
             return
-        assert self._sessions is not None
+        assert self._engine is not None
         try:
-            processing.write_owed(self._sessions, self._owed, observer=self._metrics)
+            processing.write_owed(self._engine, self._owed, observer=self._metrics)
         except (DBAPIError, psycopg.Error) as exc:
             log.warning(
                 "stopping with %d completions and %d releases unwritten (%s); those tasks "
@@ -354,14 +374,16 @@ class Child:
         """Run one processing pass; return how many tasks it claimed."""
         from worker import processing  # noqa: PLC0415  (imported by _boot already)
 
-        assert self._sessions is not None
+        assert self._engine is not None
         result = processing.process_batch(
-            self._sessions,
+            self._engine,
             worker_id=self.worker_id,
             settings=self.settings,
             stop=self.should_stop,
             observer=self._metrics,
             owed=self._owed,
+            sweep=self._sweep,
+            keeper=self._keeper,
         )
         return result.claimed
 

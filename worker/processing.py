@@ -5,13 +5,29 @@ Used by worker children (`worker.child`), by `python -m worker --once` and by
 own; handlers run holding no transaction and no row lock (STYLE "Database"; procrastinate
 `fetch_job` / `finish_job`).
 
-While the batch runs, a lease keeper thread (its own sessions) refreshes the leases the pass
-still holds every `heartbeat_interval` (DESIGN §4 Heartbeat), so a long task is never
-reclaimed while its worker is alive, and writes completions in batches: one fenced
-`UPDATE ... FROM unnest(...)` and one commit for all completions older than
-`COMPLETION_FLUSH_SECONDS`, instead of one commit per task. The pass flushes the rest before it
-returns. Every database call of the pass is serialized by one lock, so a session factory
-bound to a single connection (tests) is safe too.
+While the batch runs, a lease keeper thread (`LeaseKeeper`, its own session) refreshes the
+leases the pass still holds every `heartbeat_interval` (DESIGN §4 Heartbeat), so a long task
+is never reclaimed while its worker is alive, and writes completions in batches: one fenced
+`UPDATE ... FROM unnest(...)` for all completions older than `COMPLETION_FLUSH_SECONDS`,
+instead of one commit per task. The pass writes the rest when its batch ends. Every database
+call of the pass is serialized by one lock, so a session factory bound to a single connection
+(tests, and the pass's own connection below) is safe too.
+
+Round trips per batch, for a caller that runs pass after pass (a worker child; the profile of
+a child draining noop tasks found a pool checkout with its ping per transaction, BEGIN and
+COMMIT round trips, a sweep before every claim, and a thread started per batch):
+
+- given an engine, a pass holds one connection from start to end (one checkout, so one
+  `pool_pre_ping`, per pass) and runs every single-statement write (sweep, heartbeat,
+  completion, failure, retry, release) in autocommit: one round trip each, where a
+  transaction of its own costs BEGIN, the statement and COMMIT. Only the claim, several
+  statements under one advisory lock, runs in a transaction;
+- a `SweepSchedule` sweeps expired leases every few seconds instead of before every claim;
+- a `LeaseKeeper` given by the caller serves every pass, instead of a thread per pass.
+
+Not done: writing a batch's completions in the next claim's transaction (one commit fewer)
+measured 10% slower, since the claimers' advisory lock is then held while that commit
+flushes more.
 
 A pass that ends on a database error still owes the database the completions it could not
 write and the release of the tasks it never started. Dropped, those tasks would wait out
@@ -21,7 +37,8 @@ anything; `write_owed` tries on its own. Their log lines and observer counts com
 are written, once.
 
 Metrics stay out of this module: the caller passes a `PassObserver` (the worker's
-Prometheus counters implement it); the default observes nothing.
+Prometheus counters implement it); the default observes nothing. Completions are reported once
+per written batch and task type, not once per task.
 
 Logs: one line per task transition (completed, retried, failed, released, lease lost) and one
 per claim, each with `extra` fields (`event`, `task_id`, `company_id`, `type`, `attempt`,
@@ -29,7 +46,7 @@ per claim, each with `extra` fields (`event`, `task_id`, `company_id`, `type`, `
 message, which may quote it (a webhook URL, a recipient): logs name the exception class, and
 the message is in the task's `last_error`. The pass runs inside `worker.logging.batched()`, so
 its INFO lines cost one write per pass (or per `worker.logging.MAX_HOLD_SECONDS` for slow
-tasks) instead of one per task.
+tasks) instead of one per task; below INFO a completed or released task builds no log fields.
 """
 
 from __future__ import annotations
@@ -41,16 +58,15 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
 from db import engine as db_engine
 from db import queue
-from db.engine import make_sessionmaker
 from worker import backoff, tasktypes
 from worker import logging as worker_logging
 from worker.errors import PermanentTaskError
@@ -67,6 +83,10 @@ COMPLETION_FLUSH_SECONDS = 0.1
 KEEPER_TICK_SECONDS = 0.05
 # While the database is down the keeper retries every tick: one warning per this many seconds.
 KEEPER_WARN_SECONDS = 5.0
+# A worker child sweeps expired leases at most this often (and at least every tenth of the
+# stale window): a lease is taken over this much later at worst, against a round trip saved
+# on nearly every claim.
+SWEEP_INTERVAL_SECONDS = 5.0
 # statement_timeout of a worker process's engine (children, `--once`; `db.engine.make_engine`),
 # lock waits included: far above a normal claim's wait for the claimers' advisory lock, far
 # below the minutes a call can hang on a dead network. The API's pass runs on the API's
@@ -122,8 +142,8 @@ class PassObserver(Protocol):
     def claim_seconds(self, seconds: float) -> None:
         """The claim transaction took `seconds`."""
 
-    def completed(self, task_type: str, seconds: float) -> None:
-        """A task completed after its handler ran `seconds`."""
+    def completed(self, task_type: str, seconds: Sequence[float]) -> None:
+        """`len(seconds)` tasks of `task_type` completed; each handler ran that long."""
 
     def retried(self, task_type: str, seconds: float | None = None) -> None:
         """An attempt failed and the task was scheduled again."""
@@ -147,7 +167,7 @@ class NoopObserver:
     def claim_seconds(self, seconds: float) -> None:
         """Ignore."""
 
-    def completed(self, task_type: str, seconds: float) -> None:
+    def completed(self, task_type: str, seconds: Sequence[float]) -> None:
         """Ignore."""
 
     def retried(self, task_type: str, seconds: float | None = None) -> None:
@@ -183,11 +203,37 @@ SessionSource = Callable[[], Session] | Engine
 StopFlag = threading.Event | Callable[[], bool] | None
 
 
-@dataclass(frozen=True)
-class _Done:
+class _Done(NamedTuple):
     task: queue.ClaimedTask
+    lease: queue.Lease
     seconds: float
     at: float  # time.monotonic() when the handler returned
+
+
+class SweepSchedule:
+    """When the lease-expiry sweep is next due, for a caller that runs pass after pass.
+
+    Without one a pass sweeps before it claims, every time (`POST /workers/process`, tests).
+    A worker child sweeps every `interval` seconds instead: a lease that expired is taken
+    over that much later at worst, and a pass that does not sweep saves a round trip.
+    """
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._next = 0.0  # time.monotonic() from which the sweep is due: at once
+
+    def due(self) -> bool:
+        """Tell whether the next pass should sweep."""
+        return time.monotonic() >= self._next
+
+    def swept(self) -> None:
+        """Record a sweep that ran now."""
+        self._next = time.monotonic() + self.interval
+
+    @classmethod
+    def for_stale_window(cls, stale_after: float) -> SweepSchedule:
+        """Every `SWEEP_INTERVAL_SECONDS`, or every tenth of a shorter stale window."""
+        return cls(min(SWEEP_INTERVAL_SECONDS, stale_after / 10))
 
 
 class Owed:
@@ -234,11 +280,15 @@ def process_batch(
     observer: PassObserver | None = None,
     rng: random.Random | None = None,
     owed: Owed | None = None,
+    sweep: SweepSchedule | None = None,
+    keeper: LeaseKeeper | None = None,
 ) -> PassResult:
     """Run one pass: sweep, claim up to `settings.batch_size` tasks, run and finalize each.
 
-    `sessions` is a session factory (or an engine to build one from); `worker_id` is stored
-    in `locked_by` (`host:pid`). `stop` is checked before the claim and before each task:
+    `sessions` is a session factory, or an engine: then the pass holds one of its connections
+    throughout and writes single statements in autocommit (see the module docstring).
+    `worker_id` is stored in `locked_by` (`host:pid`). The sweep runs when `sweep` says it
+    is due, or every pass without one. `stop` is checked before the claim and before each task:
     once set, the unstarted rest of the batch is released (DESIGN §4 Release) and the pass
     returns. A handler's `Exception` never escapes: `PermanentTaskError`, an unknown type or
     a last attempt fails the task, anything else retries it after `worker.backoff.delay`.
@@ -251,9 +301,10 @@ def process_batch(
     left to lease expiry, and logged); a pass given a non-empty `owed` writes it first and
     raises, claiming nothing, while the database still fails. The result counts what the
     pass wrote, owed work included.
+
+    `keeper` is a lease keeper to attach the pass to; without one the pass starts its own.
     """
-    factory = make_sessionmaker(sessions) if isinstance(sessions, Engine) else sessions
-    with worker_logging.batched():
+    with worker_logging.batched(), _pass_sessions(sessions) as (factory, connection):
         return _Pass(
             factory,
             worker_id=worker_id,
@@ -262,6 +313,9 @@ def process_batch(
             observer=observer or NoopObserver(),
             rng=rng,
             owed=owed,
+            connection=connection,
+            sweep=sweep,
+            keeper=keeper,
         ).run()
 
 
@@ -275,8 +329,7 @@ def write_owed(
     """
     if not owed:
         return PassResult()
-    factory = make_sessionmaker(sessions) if isinstance(sessions, Engine) else sessions
-    with worker_logging.batched():
+    with worker_logging.batched(), _pass_sessions(sessions) as (factory, connection):
         state = _Pass(
             factory,
             worker_id="",
@@ -285,10 +338,25 @@ def write_owed(
             observer=observer or NoopObserver(),
             rng=None,
             owed=owed,
+            connection=connection,
         )
         with factory() as session:
             state.write_owed(session)
         return state.tally.result()
+
+
+@contextlib.contextmanager
+def _pass_sessions(
+    sessions: SessionSource,
+) -> Iterator[tuple[Callable[[], Session], Connection | None]]:
+    """The pass's session factory, and the connection its sessions share if it holds one."""
+    if not isinstance(sessions, Engine):
+        yield sessions, None
+        return
+    # One checkout for the whole pass. Returned to the pool at the end, where SQLAlchemy
+    # resets the isolation level the pass changed.
+    with sessions.connect() as connection:
+        yield lambda: Session(bind=connection, expire_on_commit=False), connection
 
 
 def _stop_predicate(stop: StopFlag) -> Callable[[], bool]:
@@ -390,6 +458,9 @@ class _Pass:
         observer: PassObserver,
         rng: random.Random | None,
         owed: Owed | None = None,
+        connection: Connection | None = None,
+        sweep: SweepSchedule | None = None,
+        keeper: LeaseKeeper | None = None,
     ) -> None:
         heartbeat_interval = settings.effective_heartbeat_interval
         if not 0 < heartbeat_interval < settings.stale_after:
@@ -404,8 +475,14 @@ class _Pass:
         self.observer = observer
         self.rng = rng
         self.owed = owed
+        self.sweep = sweep
+        self.keeper = keeper
         self.heartbeat_interval = heartbeat_interval
         self.tally = _Tally()
+        # The connection every session of the pass shares, when the pass holds one: single
+        # statements then run in autocommit, switched off for the claim's transaction.
+        self._connection = connection
+        self._autocommit = False
         # _db serializes database use between the two threads; _state guards what follows.
         self._db = threading.Lock()
         self._state = threading.Lock()
@@ -423,25 +500,31 @@ class _Pass:
         with self.factory() as session:
             # Before the claim: a task whose completion is owed is never claimed again here.
             self.write_owed(session)
-            self._sweep(session)
+            if self.sweep is None or self.sweep.due():
+                self._sweep(session)
             if self.stop():
                 return self.tally.result()
             batch = self._claim(session)
             if not batch:
                 return self.tally.result()
-            keeper = _LeaseKeeper(self)
-            keeper.start()
+            keeper = self.keeper or LeaseKeeper()
+            keeper.attach(self)
             try:
                 self._run_batch(session, batch)
             except BaseException:
-                keeper.close()
+                self._detach(keeper)
                 # The error in flight matters more than a second one from the database.
                 with contextlib.suppress(Exception):
                     self._hand_back(session)
                 raise
-            keeper.close()
+            self._detach(keeper)
             self._hand_back(session)
         return self.tally.result()
+
+    def _detach(self, keeper: LeaseKeeper) -> None:
+        keeper.detach()
+        if keeper is not self.keeper:  # started for this pass
+            keeper.close()
 
     def write_owed(self, session: Session) -> None:
         """Write what earlier passes owe (`self.owed`); raise, keeping it owed, on failure."""
@@ -449,7 +532,7 @@ class _Pass:
             return
         completions, releases = self.owed._take()
         with self._state:
-            self._held.update((d.task.id, d.task.lease) for d in completions)
+            self._held.update((d.task.id, d.lease) for d in completions)
             self._held.update((t.id, t.lease) for t in releases)
             self._done.extend(completions)
         self._unstarted.update((t.id, t) for t in releases)
@@ -503,6 +586,8 @@ class _Pass:
         expired = self._write(
             session, lambda: queue.expire_leases(session, stale_after=self.settings.stale_after)
         )
+        if self.sweep is not None:
+            self.sweep.swept()
         for task in expired:
             if not task.failed:
                 fields = _task_fields(task, "task.requeued", None, locked_by=task.locked_by)
@@ -524,10 +609,9 @@ class _Pass:
         batch = self._write(
             session,
             lambda: queue.claim(
-                session,
-                worker_id=self.worker_id,
-                batch_size=self.settings.batch_size,
+                session, worker_id=self.worker_id, batch_size=self.settings.batch_size
             ),
+            transaction=True,
         )
         seconds = time.perf_counter() - started
         self.observer.claim_seconds(seconds)
@@ -553,13 +637,15 @@ class _Pass:
         whose handler started and did not finish stays processing: lease expiry recovers it.
         """
         self._unstarted = {task.id: task for task in batch}
-        for task in batch:
+        with self._state:
+            leases = [self._held[task.id] for task in batch]  # the claim's, made once
+        for task, lease in zip(batch, leases, strict=True):
             if self.stop():
                 return
             self._confirm_leases(session)
-            if self._is_lost(task):
+            if self._lost and self._is_lost(task):  # (a set's truth value needs no lock)
                 continue
-            self._run_one(session, task)
+            self._run_one(session, task, lease)
 
     def _confirm_leases(self, session: Session) -> None:
         # The keeper refreshes leases in the background; if it has fallen behind (database
@@ -578,7 +664,7 @@ class _Pass:
         self._report_lease_lost(task, "start")
         return True
 
-    def _run_one(self, session: Session, task: queue.ClaimedTask) -> None:
+    def _run_one(self, session: Session, task: queue.ClaimedTask, lease: queue.Lease) -> None:
         task_type = tasktypes.get(task.type)
         if task_type is None:
             error = f"unknown task type {task.type!r} (registered: {', '.join(tasktypes.names())})"
@@ -618,7 +704,7 @@ class _Pass:
         else:
             seconds = time.perf_counter() - started
             with self._state:
-                self._done.append(_Done(task, seconds, time.monotonic()))
+                self._done.append(_Done(task, lease, seconds, time.monotonic()))
 
     def _fail(
         self,
@@ -695,12 +781,14 @@ class _Pass:
             self._unstarted.pop(task.id, None)
         self.tally.released += len(released)
         self.observer.released(len(released))
+        info = log.isEnabledFor(logging.INFO)
         for task in mine:
             if task.id not in released:
                 self._report_lease_lost(task, "release")
                 continue
-            fields = _task_fields(task, "task.released", None)
-            log.info(MSG_RELEASED, fields, extra=fields)
+            if info:
+                fields = _task_fields(task, "task.released", None)
+                log.info(MSG_RELEASED, fields, extra=fields)
 
     def _forget(self, task: queue.ClaimedTask) -> None:
         with self._state:
@@ -728,16 +816,32 @@ class _Pass:
 
     # -- shared with the lease keeper -----------------------------------------------------
 
-    def _write(self, session: Session, statement: Callable[[], T]) -> T:
-        """Run `statement` in a transaction of its own on `session`, one thread at a time."""
+    def _write(
+        self, session: Session, statement: Callable[[], T], *, transaction: bool = False
+    ) -> T:
+        """Run `statement` in a transaction of its own on `session`, one thread at a time.
+
+        On the pass's own connection, a single-statement write (not `transaction`) runs in
+        autocommit instead: the same atomicity, two round trips (BEGIN, COMMIT) fewer.
+        """
         with self._db:
             try:
+                self._set_autocommit(not transaction)
                 result = statement()
                 session.commit()
             except BaseException:
                 session.rollback()
                 raise
         return result
+
+    def _set_autocommit(self, autocommit: bool) -> None:
+        # Only between transactions (`_write` commits or rolls back every one), so switching
+        # is a client-side setting of the driver, no round trip.
+        if self._connection is None or self._autocommit == autocommit:
+            return
+        level = "AUTOCOMMIT" if autocommit else self._connection.default_isolation_level
+        self._connection.execution_options(isolation_level=level)
+        self._autocommit = autocommit
 
     def flush_completions(self, session: Session, *, force: bool) -> None:
         """Write pending completions in one fenced statement (all, or those due if not force)."""
@@ -749,23 +853,35 @@ class _Pass:
             done, self._done = self._done, []
         try:
             completed = self._write(
-                session, lambda: queue.complete_tasks(session, [d.task.lease for d in done])
+                session, lambda: queue.complete_tasks(session, [d.lease for d in done])
             )
         except BaseException:
             with self._state:
                 self._done[:0] = done  # keep them for the next flush
             raise
+        self._completions_written(done, completed)
+
+    def _completions_written(self, done: Sequence[_Done], completed: set[uuid.UUID]) -> None:
+        """Account for written completions: `completed` are the ids that matched."""
+        with self._state:
+            for item in done:
+                self._held.pop(item.task.id, None)
+        info = log.isEnabledFor(logging.INFO)
+        durations: dict[str, list[float]] = {}
         for item in done:
-            self._forget(item.task)
             task = item.task
             if task.id not in completed:
                 self._report_lease_lost(task, "complete", item.seconds)
                 continue
-            fields = _task_fields(task, "task.completed", item.seconds)
-            log.info(MSG_COMPLETED, fields, extra=fields)
-            with self._state:
-                self.tally.completed += 1
-            self.observer.completed(task.type, item.seconds)
+            if info:
+                fields = _task_fields(task, "task.completed", item.seconds)
+                log.info(MSG_COMPLETED, fields, extra=fields)
+            durations.setdefault(task.type, []).append(item.seconds)
+        with self._state:
+            self.tally.completed += sum(map(len, durations.values()))
+        # One report per type and written batch: the observer's metric writes are per call.
+        for task_type, seconds in durations.items():
+            self.observer.completed(task_type, seconds)
 
     def heartbeat(self, session: Session) -> None:
         """Refresh every held lease; remember the ones found taken over."""
@@ -786,32 +902,77 @@ class _Pass:
                 self._lost |= {task_id for task_id in lost if task_id in self._held}
 
 
-class _LeaseKeeper(threading.Thread):
-    """Heartbeats held leases and flushes due completions until closed."""
+class LeaseKeeper:
+    """A thread that heartbeats the attached pass's leases and flushes its due completions.
 
-    def __init__(self, owner: _Pass) -> None:
-        super().__init__(name="fairq-lease-keeper", daemon=True)
-        self.owner = owner
-        self._closed = threading.Event()
+    A worker child keeps one for its life: starting and joining a thread for every pass cost
+    more than a batch of noop handlers. A pass given none starts its own. One pass is
+    attached at a time. The thread wakes every `KEEPER_TICK_SECONDS` (or heartbeat interval,
+    if shorter), attached or not: `attach` then need not wake it, a thread switch per pass.
+    """
+
+    def __init__(self) -> None:
+        # Guards everything below; held by the thread while it works for a pass, so
+        # `detach` waits for the database call in flight, if any.
+        self._lock = threading.Condition()
+        self._owner: _Pass | None = None
+        self._session: Session | None = None
+        self._next_beat = 0.0
+        self._closed = False
         self._quiet_until = 0.0  # time.monotonic() before which transient errors are counted
         self._suppressed = 0
+        self._thread = threading.Thread(target=self._run, name="fairq-lease-keeper", daemon=True)
+        self._thread.start()
 
-    def run(self) -> None:
-        owner = self.owner
-        next_beat = time.monotonic() + owner.heartbeat_interval
-        with owner.factory() as session:
-            while not self._closed.wait(min(KEEPER_TICK_SECONDS, owner.heartbeat_interval)):
-                try:
-                    if time.monotonic() >= next_beat:
-                        next_beat = time.monotonic() + owner.heartbeat_interval
-                        owner.heartbeat(session)
-                    owner.flush_completions(session, force=False)
-                    # Lines of a batch of slow tasks must not wait for the end of the pass.
-                    worker_logging.write_due()
-                except Exception as exc:
-                    # A failed beat or flush is retried next tick; the main thread's final
-                    # flush reports what still fails.
-                    self._log_failure(exc)
+    def attach(self, owner: _Pass) -> None:
+        """Keep `owner`'s leases from now on (from the thread's next tick)."""
+        with self._lock:
+            self._owner = owner
+            self._next_beat = time.monotonic() + owner.heartbeat_interval
+            # A heartbeat interval shorter than the tick (tests) must not wait a whole tick.
+            if owner.heartbeat_interval < KEEPER_TICK_SECONDS:
+                self._lock.notify()
+
+    def detach(self) -> None:
+        """Stop working for the attached pass; return once no call for it is in flight."""
+        with self._lock:
+            self._owner = None
+            if self._session is not None:
+                self._session.close()
+                self._session = None
+
+    def close(self) -> None:
+        """Stop and wait for the thread."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        with self._lock:
+            while not self._closed:
+                owner = self._owner
+                tick = KEEPER_TICK_SECONDS if owner is None else owner.heartbeat_interval
+                self._lock.wait(min(KEEPER_TICK_SECONDS, tick))
+                owner = self._owner
+                if owner is not None and not self._closed:
+                    self._tick(owner)
+
+    def _tick(self, owner: _Pass) -> None:
+        # Whatever fails, the thread goes on: it serves every later pass of the child too.
+        try:
+            if self._session is None:
+                self._session = owner.factory()
+            if time.monotonic() >= self._next_beat:
+                self._next_beat = time.monotonic() + owner.heartbeat_interval
+                owner.heartbeat(self._session)
+            owner.flush_completions(self._session, force=False)
+            # Lines of a batch of slow tasks must not wait for the end of the pass.
+            worker_logging.write_due()
+        except Exception as exc:
+            # A failed beat or flush is retried next tick; the main thread's final flush
+            # reports what still fails.
+            self._log_failure(exc)
 
     def _log_failure(self, exc: Exception) -> None:
         """Log a failed database call: a bug with its traceback, an outage rate-limited.
@@ -834,8 +995,3 @@ class _LeaseKeeper(threading.Thread):
         )  # fmt: skip
         self._quiet_until = now + KEEPER_WARN_SECONDS
         self._suppressed = 0
-
-    def close(self) -> None:
-        """Stop and wait for the thread (at most one database call in flight)."""
-        self._closed.set()
-        self.join()
