@@ -594,7 +594,7 @@ _EXPIRE_LEASES = text(
     """
 WITH expired AS (
     -- ix_tasks_processing_locked_at: the range locked_at < now() - stale_after, so live
-    -- leases are never read and running this before every claim is cheap.
+    -- leases are never read and running it every few seconds is cheap.
     SELECT t.id, t.locked_by, t.attempts >= t.max_attempts AS used_up
     FROM tasks t
     WHERE t.status = 'processing'
