@@ -208,14 +208,13 @@ class Task(Base):
         ),
         CheckConstraint("attempts >= 0", name="attempts_non_negative"),
         CheckConstraint("jsonb_typeof(payload) = 'object'", name="payload_is_object"),
-        # The claim's per-company candidates (db/queue.py `_CLAIM`), as two ordered streams
-        # per company, merged by "eligible since" (migration 0002). Pending rows in run_after
-        # order: the claim reads the range `run_after <= now()` and LIMIT stops it after
-        # per_company_cap entries, so rows scheduled or backed off into the future are never
-        # visited however many there are. `id` is a key column, not INCLUDE: it breaks ties in
-        # run_after in index order (a bulk insert shares one now()) and lets the scan be
-        # index-only. Also serves the queue collector's oldest-eligible gauge (one probe per
-        # company) and its capped pending count (api/metrics.py).
+        # The claim's per-company candidates (db/queue.py `_CLAIM`), in "eligible since"
+        # order (decision 0001): the claim reads the range `run_after <=` its statement's
+        # start and stops after the company's share, so rows scheduled or backed off into the
+        # future are never visited however many there are. `id` is a key column, not INCLUDE:
+        # it breaks ties in run_after in index order (a bulk insert shares one now()). Also
+        # the settle's earliest pending run_after, the queue collector's oldest-eligible
+        # gauge (one probe per company) and its capped pending count (api/metrics.py).
         Index(
             "ix_tasks_pending_company_run_after",
             "company_id",
@@ -223,8 +222,8 @@ class Task(Base):
             "id",
             postgresql_where=text("status = 'pending'"),
         ),
-        # Stale leases per company in locked_at order: the claim reads the range
-        # `locked_at < now() - stale_after`, so live leases (heartbeating) are never visited.
+        # A company's leases: the claim counts at most max_in_flight of them for a company
+        # with a limit.
         Index(
             "ix_tasks_processing_company_locked_at",
             "company_id",
@@ -232,7 +231,7 @@ class Task(Base):
             "id",
             postgresql_where=text("status = 'processing'"),
         ),
-        # The poison-pill sweep (fail_lost_tasks) looks for stale processing rows across all
+        # The lease-expiry sweep (expire_leases) looks for stale processing rows across all
         # companies; also the collector's capped processing count.
         Index(
             "ix_tasks_processing_locked_at",
