@@ -52,7 +52,7 @@ TERMINAL_STATUSES = (TaskStatus.COMPLETED, TaskStatus.FAILED, TaskStatus.CANCELL
 
 # Constraint and index names, used as constants when translating driver errors.
 UQ_COMPANY_API_KEY_HASH = "uq_companies_api_key_hash"
-UQ_TASK_IDEMPOTENCY_KEY = "uq_tasks_company_id_idempotency_key"
+UQ_TASK_IDEMPOTENCY_KEY = "uq_tasks_idempotency_key"
 FK_TASK_COMPANY = "fk_tasks_company_id_companies"
 CK_TASK_STATUS = "ck_tasks_status"
 CK_TASK_MAX_ATTEMPTS = "ck_tasks_max_attempts_range"
@@ -201,7 +201,6 @@ class Task(Base):
     finished_at: Mapped[dt.datetime | None] = mapped_column(Timestamp)
 
     __table_args__ = (
-        UniqueConstraint("company_id", "idempotency_key"),
         CheckConstraint(f"status IN ({_status_values})", name="status"),
         CheckConstraint(
             f"max_attempts BETWEEN 1 AND {MAX_ATTEMPTS_LIMIT}", name="max_attempts_range"
@@ -237,6 +236,15 @@ class Task(Base):
             "ix_tasks_processing_locked_at",
             "locked_at",
             postgresql_where=text("status = 'processing'"),
+        ),
+        # An Idempotency-Key is unique per company (migration 0004). Partial: a task without
+        # a key adds no entry, at creation or at any status change.
+        Index(
+            UQ_TASK_IDEMPOTENCY_KEY,
+            "company_id",
+            "idempotency_key",
+            unique=True,
+            postgresql_where=text("idempotency_key IS NOT NULL"),
         ),
         # GET /companies/{id}/tasks: newest first, with a stable tiebreak.
         Index(

@@ -19,7 +19,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from db import errors, fair_share
-from db.models import UQ_TASK_IDEMPOTENCY_KEY, Task, TaskStatus
+from db.models import Task, TaskStatus
 
 # ---------------------------------------------------------------------------------------------
 # API-side statements: create, read, list, cancel, retry
@@ -60,7 +60,12 @@ def create_task(
     }
     stmt = pg_insert(Task).values(**values)
     if idempotency_key is not None:
-        stmt = stmt.on_conflict_do_nothing(constraint=UQ_TASK_IDEMPOTENCY_KEY)
+        # The arbiter is the partial unique index UQ_TASK_IDEMPOTENCY_KEY, named by its
+        # columns and predicate (ON CONFLICT ON CONSTRAINT takes constraints only).
+        stmt = stmt.on_conflict_do_nothing(
+            index_elements=[Task.company_id, Task.idempotency_key],
+            index_where=Task.idempotency_key.is_not(None),
+        )
     # The conflicting row can vanish between the INSERT and the read (retention deleted it,
     # or its inserter rolled back): then the key is free again, so insert once more.
     for _ in range(_CREATE_ATTEMPTS):
