@@ -7,14 +7,16 @@ from the database clock (`now()`), never from Python.
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime as dt
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import psycopg
 from sqlalchemy import CursorResult, func, select, text, update
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
@@ -197,7 +199,7 @@ def retry_task(session: Session, company_id: uuid.UUID, task_id: uuid.UUID) -> T
 
 
 # ---------------------------------------------------------------------------------------------
-# Worker-side statements: claim, poison-pill sweep, heartbeat, fenced finalization
+# Worker-side statements: claim, lease expiry, heartbeat, fenced finalization
 # ---------------------------------------------------------------------------------------------
 
 # Key of the transaction-scoped advisory lock that serializes claimers ("fairqcl" in ASCII).
@@ -466,7 +468,26 @@ def claim(
     `batch_size` companies are read from the ring's index, and each company's tasks from an
     index range that stops after its share (docs/design.md, "The claim").
     """
-    connection = _driver(session)
+    with _driver_errors("claim"):
+        return _claim(_driver(session), worker_id, batch_size)
+
+
+@contextlib.contextmanager
+def _driver_errors(what: str) -> Iterator[None]:
+    """Raise a psycopg error of a statement sent to the driver as SQLAlchemy would.
+
+    Callers handle database errors as `sqlalchemy.exc.DBAPIError` (the child's retry, the
+    `--once` and API error handlers); statements sent to psycopg directly would escape them.
+    """
+    try:
+        yield
+    except psycopg.Error as exc:
+        raise sa_exc.DBAPIError.instance(what, None, exc, psycopg.Error) from exc
+
+
+def _claim(
+    connection: psycopg.Connection[Any], worker_id: str, batch_size: int
+) -> list[ClaimedTask]:
     batch: list[ClaimedTask] = []
     exhausted: list[uuid.UUID] = []
     # Each round either fills the batch or finds companies with less runnable work than
@@ -710,7 +731,8 @@ def complete_tasks(session: Session, leases: Sequence[Lease]) -> set[uuid.UUID]:
         return set()
     driver = session.connection().connection.driver_connection
     assert isinstance(driver, psycopg.Connection)
-    return {row[0] for row in driver.execute(_COMPLETE, _unzip(leases))}
+    with _driver_errors("complete_tasks"):
+        return {row[0] for row in driver.execute(_COMPLETE, _unzip(leases))}
 
 
 def complete_task(session: Session, task_id: uuid.UUID, lease_token: uuid.UUID) -> bool:

@@ -20,8 +20,9 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from db import fair_share, queue
+from db import queue
 from db.engine import make_engine, make_sessionmaker
+from tests import claim_plans
 from tests.factories import (
     MakeCompany,
     MakeTask,
@@ -278,19 +279,11 @@ def test_a_retried_task_queues_behind_work_that_became_eligible_before_it(
 # -- the plan: index ranges, never the whole backlog ---------------------------------------
 
 
-def _plan_nodes(
-    node: dict[str, Any], parents: tuple[str, ...] = ()
-) -> Iterator[tuple[dict[str, Any], tuple[str, ...]]]:
-    yield node, parents
-    for child in node.get("Plans", []):
-        yield from _plan_nodes(child, (*parents, node["Node Type"]))
-
-
 def _scans_of(plan: dict[str, Any], index: str) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
     """The plan nodes that scan `index`, with their ancestors' node types."""
     return [
         (node, parents)
-        for node, parents in _plan_nodes(plan["Plan"])
+        for node, parents in claim_plans.plan_nodes(plan["Plan"])
         if node.get("Index Name") == index
     ]
 
@@ -299,47 +292,9 @@ def _seq_scanned(plan: dict[str, Any]) -> set[str]:
     """The relations a plan reads by sequential scan."""
     return {
         node["Relation Name"]
-        for node, _ in _plan_nodes(plan["Plan"])
+        for node, _ in claim_plans.plan_nodes(plan["Plan"])
         if node["Node Type"] == "Seq Scan"
     }
-
-
-def _claim_round(session: Session, batch_size: int) -> dict[str, Any]:
-    """The parameters of `_CLAIM` in a claim's first round, computed as `queue.claim` does.
-
-    Takes the claimers' lock and pins the plan first (`_SERIALIZE_CLAIMERS`), and promotes
-    due companies (`_CONTENDERS`), as the claim does before its `_CLAIM`.
-    """
-    connection = queue._driver(session)
-    connection.execute(queue._SERIALIZE_CLAIMERS, {"key": queue.CLAIM_LOCK_KEY})
-    contenders, credit = queue._contenders(connection, batch_size, exclude=[])
-    allocation = fair_share.allocate(contenders, batch_size, credit)
-    return queue.claim_parameters("plan:1", contenders, allocation)
-
-
-def _contenders_params(batch_size: int) -> dict[str, Any]:
-    return {"batch_size": batch_size, "promote_limit": queue.PROMOTE_LIMIT, "exclude": []}
-
-
-def _explain(
-    session: Session, sql: str, params: dict[str, Any], *, analyze: bool = False
-) -> dict[str, Any]:
-    """EXPLAIN (FORMAT JSON) of a claim statement on the claim's connection, effects undone.
-
-    With `analyze`, also ANALYZE and BUFFERS: the statement runs, in a savepoint rolled back.
-    The statement runs after `_SERIALIZE_CLAIMERS`, whose planner settings it is written for.
-    """
-    options = "ANALYZE, BUFFERS, FORMAT JSON" if analyze else "FORMAT JSON"
-    connection = queue._driver(session)
-    savepoint = session.begin_nested()
-    try:
-        connection.execute(queue._SERIALIZE_CLAIMERS, {"key": queue.CLAIM_LOCK_KEY})
-        row = connection.execute(f"EXPLAIN ({options}) {sql}", params).fetchone()
-    finally:
-        savepoint.rollback()
-    assert row is not None
-    result: dict[str, Any] = row[0][0]
-    return result
 
 
 def _rows_read(node: dict[str, Any]) -> float:
@@ -401,9 +356,9 @@ def test_claim_plan_reads_each_company_as_an_index_range_cut_at_its_share(
         _insert_leases(db_session, company, 20, age_seconds=10)
     db_session.execute(text("UPDATE companies SET max_in_flight = 50 WHERE name LIKE 'c1%'"))
     db_session.execute(text("ANALYZE tasks, companies, company_queues"))
-    params = _claim_round(db_session, 100)
+    params = claim_plans.first_round_params(db_session, 100, "plan:1")
 
-    plan = _explain(db_session, queue._CLAIM, params)
+    plan = claim_plans.explain(db_session, queue._CLAIM, params)
     scans = _scans_of(plan, PENDING_INDEX)
     assert len(scans) == 1, json.dumps(plan, indent=1)
     [(node, parents)] = scans
@@ -418,7 +373,7 @@ def test_claim_plan_reads_each_company_as_an_index_range_cut_at_its_share(
     assert "Sort" not in parents[1:], parents
     assert _seq_scanned(plan) <= {"claim_cursor"}  # one row
 
-    plan = _explain(db_session, queue._CONTENDERS, _contenders_params(100))
+    plan = claim_plans.explain(db_session, queue._CONTENDERS, claim_plans.contenders_params(100))
     ring = _scans_of(plan, RING_INDEX)
     assert len(ring) == 2, json.dumps(plan, indent=1)  # the rest of the lap, the lap's start
     for node, parents in ring:
@@ -457,10 +412,10 @@ def test_claim_cost_does_not_grow_with_a_tenants_delayed_backlog(
     for company in (busy, *others):
         insert_tasks(db_session, company, 30, newest_age_seconds=60)
     db_session.execute(text("ANALYZE tasks, companies, company_queues"))
-    params = _claim_round(db_session, 100)
+    params = claim_plans.first_round_params(db_session, 100, "plan:1")
     assert sorted(params["shares"]) == [20] * 5
 
-    plan = _explain(db_session, queue._CLAIM, params, analyze=True)
+    plan = claim_plans.explain(db_session, queue._CLAIM, params, analyze=True)
     [(node, _)] = _scans_of(plan, PENDING_INDEX)
     loops = node["Actual Loops"]
     assert loops == 5, node  # once per company
@@ -471,11 +426,15 @@ def test_claim_cost_does_not_grow_with_a_tenants_delayed_backlog(
     # and ~300 heap pages the backlog and the leases occupy.
     assert _buffers(node) <= (4 + 20) * loops, node
     assert plan["Plan"]["Actual Rows"] == 100  # every company got its share, the busy one too
-    contenders = _explain(db_session, queue._CONTENDERS, _contenders_params(100), analyze=True)
-    assert not [
-        n for n, _ in _plan_nodes(contenders["Plan"]) if n.get("Relation Name") == "tasks"
-        and n["Actual Loops"] > 0
-    ], "no company has a limit: no lease is counted"  # fmt: skip
+    contenders = claim_plans.explain(
+        db_session, queue._CONTENDERS, claim_plans.contenders_params(100), analyze=True
+    )
+    counted = [
+        node
+        for node, _ in claim_plans.plan_nodes(contenders["Plan"])
+        if node.get("Relation Name") == "tasks" and node["Actual Loops"] > 0
+    ]
+    assert not counted, "no company has a limit: no lease is counted"
 
     # The control: the created_at order, on an index made for it, reads the whole backlog.
     db_session.execute(
@@ -484,10 +443,10 @@ def test_claim_cost_does_not_grow_with_a_tenants_delayed_backlog(
             "WHERE status = 'pending'"
         )
     )
-    before = _explain(db_session, _CREATED_AT_ORDER, {}, analyze=True)
+    before = claim_plans.explain(db_session, _CREATED_AT_ORDER, {}, analyze=True)
     read_before = sum(
         _rows_read(node)
-        for node, _ in _plan_nodes(before["Plan"])
+        for node, _ in claim_plans.plan_nodes(before["Plan"])
         if node.get("Index Name") == "ix_test_pending_created_at"
     )
     assert read_before >= BACKLOG, json.dumps(before, indent=1)

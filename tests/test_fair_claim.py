@@ -29,9 +29,9 @@ from sqlalchemy import Engine, pool, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from db import errors, fair_share, queue
+from db import errors, queue
 from db.engine import make_engine, make_sessionmaker
-from tests import pg
+from tests import claim_plans, pg
 from tests.factories import (
     MakeCompany,
     insert_company,
@@ -837,35 +837,6 @@ def test_one_statement_inserting_tasks_for_5000_companies_takes_at_most_64_wake_
     assert set(owners(db_session, claimed)) == set(companies)
 
 
-def _plan_nodes(
-    node: dict[str, Any], parents: tuple[str, ...] = ()
-) -> Iterator[tuple[dict[str, Any], tuple[str, ...]]]:
-    yield node, parents
-    for child in node.get("Plans", []):
-        yield from _plan_nodes(child, (*parents, node["Node Type"]))
-
-
-def _explain(
-    session: Session, sql: str, params: dict[str, Any], *, analyze: bool
-) -> dict[str, Any]:
-    """EXPLAIN of a claim statement after `_SERIALIZE_CLAIMERS`, in a savepoint rolled back."""
-    options = "ANALYZE, BUFFERS, FORMAT JSON" if analyze else "FORMAT JSON"
-    connection = queue._driver(session)
-    savepoint = session.begin_nested()
-    try:
-        connection.execute(queue._SERIALIZE_CLAIMERS, {"key": queue.CLAIM_LOCK_KEY})
-        row = connection.execute(f"EXPLAIN ({options}) {sql}", params).fetchone()
-    finally:
-        savepoint.rollback()
-    assert row is not None
-    plan: dict[str, Any] = row[0][0]
-    return plan
-
-
-def _contenders_params(batch_size: int) -> dict[str, Any]:
-    return {"batch_size": batch_size, "promote_limit": queue.PROMOTE_LIMIT, "exclude": []}
-
-
 def test_the_claim_reads_about_a_batch_of_the_ring_with_2000_companies_ready(
     db_session: Session,
 ) -> None:
@@ -876,11 +847,13 @@ def test_the_claim_reads_about_a_batch_of_the_ring_with_2000_companies_ready(
     ready = db_session.execute(text("SELECT count(*) FROM company_queues WHERE ready"))
     assert ready.scalar_one() == 2000
 
-    plan = _explain(db_session, queue._CONTENDERS, _contenders_params(100), analyze=True)
+    plan = claim_plans.explain(
+        db_session, queue._CONTENDERS, claim_plans.contenders_params(100), analyze=True
+    )
 
     ring = [
         node
-        for node, _ in _plan_nodes(plan["Plan"])
+        for node, _ in claim_plans.plan_nodes(plan["Plan"])
         if node.get("Index Name") == "ix_company_queues_ring_position"
     ]
     assert ring, json.dumps(plan, indent=1)
@@ -935,14 +908,6 @@ def test_a_claim_touches_about_as_many_buffers_with_2000_companies_as_with_50(
     assert many <= 2 * few, (few, many)
 
 
-def _claim_round_params(session: Session, batch_size: int) -> dict[str, Any]:
-    connection = queue._driver(session)
-    connection.execute(queue._SERIALIZE_CLAIMERS, {"key": queue.CLAIM_LOCK_KEY})
-    contenders, credit = queue._contenders(connection, batch_size, exclude=[])
-    allocation = fair_share.allocate(contenders, batch_size, credit)
-    return queue.claim_parameters("plan:1", contenders, allocation)
-
-
 TASK_INDEXES = {
     "ix_tasks_pending_company_run_after",
     "ix_tasks_processing_company_locked_at",
@@ -977,18 +942,20 @@ def test_claim_plans_stay_index_scans_when_200000_rows_arrive_after_analyze(
         {"ids": companies},
     )
     db_session.commit()
-    claim_params = _claim_round_params(db_session, 100)
+    claim_params = claim_plans.first_round_params(db_session, 100, "plan:1")
     assert claim_params["company_ids"]
 
     plans = {
-        "contenders": _explain(
-            db_session, queue._CONTENDERS, _contenders_params(100), analyze=False
+        "contenders": claim_plans.explain(
+            db_session, queue._CONTENDERS, claim_plans.contenders_params(100), analyze=False
         ),
-        "claim": _explain(db_session, queue._CLAIM, claim_params, analyze=False),
-        "settle": _explain(db_session, queue._SETTLE, {"company_ids": companies}, analyze=False),
+        "claim": claim_plans.explain(db_session, queue._CLAIM, claim_params, analyze=False),
+        "settle": claim_plans.explain(
+            db_session, queue._SETTLE, {"company_ids": companies}, analyze=False
+        ),
     }
     for name, plan in plans.items():
-        nodes = list(_plan_nodes(plan["Plan"]))
+        nodes = list(claim_plans.plan_nodes(plan["Plan"]))
         kinds = {node["Node Type"] for node, _ in nodes}
         assert not kinds & {"Hash Join", "Merge Join", "Bitmap Heap Scan"}, (name, kinds)
         for node, parents in nodes:

@@ -120,7 +120,7 @@ def take_over(
 
 
 def run_pass(sessions: sessionmaker[Session] | Engine, **kw: Any) -> processing.PassResult:
-    """One pass with test defaults (batch 100, cap 10, stale 300 s)."""
+    """One pass with test defaults (batch 100, stale 300 s)."""
     settings = kw.pop("settings", processing.PassDefaults())
     return processing.process_batch(sessions, worker_id="test:1", settings=settings, **kw)
 

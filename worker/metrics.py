@@ -16,6 +16,7 @@ import bisect
 import collections
 import json
 import logging
+import math
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -143,6 +144,11 @@ def observe_all(histogram: Histogram, amounts: Sequence[float]) -> None:
     `_buckets` and `_sum`, as `observe` does (prometheus-client is pinned; a test compares
     the two).
     """
+    # A NaN is in no bucket (`amount <= bound` is false for all): `observe` knows.
+    for amount in amounts:
+        if math.isnan(amount):
+            histogram.observe(amount)
+    amounts = [amount for amount in amounts if not math.isnan(amount)]
     # bisect_left: the first bound >= amount, the bucket `observe` picks (`amount <= bound`).
     buckets = collections.Counter(
         bisect.bisect_left(histogram._upper_bounds, amount) for amount in amounts

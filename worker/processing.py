@@ -1,4 +1,4 @@
-"""One processing pass: sweep poison pills, claim a batch, run each task, finalize it.
+"""One processing pass: take back expired leases, claim a batch, run each task, finalize it.
 
 Used by worker children (`worker.child`), by `python -m worker --once` and by
 `POST /workers/process`. The claim and every finalization are short transactions of their
@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, TypeVar
 
 from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from db import engine as db_engine
@@ -87,6 +88,8 @@ KEEPER_WARN_SECONDS = 5.0
 # stale window): a lease is taken over this much later at worst, against a round trip saved
 # on nearly every claim.
 SWEEP_INTERVAL_SECONDS = 5.0
+# Expired leases taken back per sweep at most, so a mass crash costs each pass a slice.
+SWEEP_LIMIT = 1000
 # statement_timeout of a worker process's engine (children, `--once`; `db.engine.make_engine`),
 # lock waits included: far above a normal claim's wait for the claimers' advisory lock, far
 # below the minutes a call can hang on a dead network. The API's pass runs on the API's
@@ -584,9 +587,13 @@ class _Pass:
 
     def _sweep(self, session: Session) -> None:
         expired = self._write(
-            session, lambda: queue.expire_leases(session, stale_after=self.settings.stale_after)
+            session,
+            lambda: queue.expire_leases(
+                session, stale_after=self.settings.stale_after, limit=SWEEP_LIMIT
+            ),
         )
-        if self.sweep is not None:
+        # A full sweep may have left more behind (a mass crash): sweep again next pass.
+        if self.sweep is not None and len(expired) < SWEEP_LIMIT:
             self.sweep.swept()
         for task in expired:
             if not task.failed:
@@ -827,6 +834,19 @@ class _Pass:
         with self._db:
             try:
                 self._set_autocommit(not transaction)
+                result = statement()
+                session.commit()
+            except DBAPIError as exc:
+                session.rollback()
+                if transaction or self._connection is None or not db_engine.is_transient(exc):
+                    raise
+                # The pass's held connection may have died while a handler ran (a restart,
+                # a failover, an idle timeout): its first use after that fails, and the pool
+                # ping of a fresh checkout never ran. Once more on a new connection; the
+                # statement is fenced, so a write that did commit changes nothing twice.
+                log.info("database connection lost (%s); writing once more", type(exc).__name__)
+                self._autocommit = False
+                self._set_autocommit(True)
                 result = statement()
                 session.commit()
             except BaseException:
