@@ -17,6 +17,7 @@ batch that fills up in the middle of a turn leaves the rest of that turn to the 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,26 +48,75 @@ class Cursor:
 
 @dataclass(frozen=True)
 class Allocation:
-    """Each company's share of a batch, and the cursor after it.
+    """Each contender's share of a batch, and the cursor after it.
 
-    `shares` maps company id to `(tasks, turn)`: `turn` is the position of the company's
-    first turn in this batch (0, 1, ...). `first_turns` maps it to the tasks of that first
-    turn (what was left of an interrupted turn, else its weight), so tasks ordered by (their
-    round, `turn`) come out in the order round robin serves them.
+    Lists run parallel to the contenders: `tasks[i]` for contender `i`, `turns[i]` the place
+    of its first turn in this batch (0, 1, ...; -1 if it gets nothing), `first_turns[i]` the
+    tasks of that first turn (what was left of an interrupted turn, else its weight). Tasks
+    ordered by (their round, turn) come out in the order round robin serves them.
     """
 
-    shares: dict[uuid.UUID, tuple[int, int]]
-    first_turns: dict[uuid.UUID, int]
+    contenders: Sequence[Contender]
+    tasks: list[int]
+    turns: list[int]
+    first_turns: list[int]
     cursor: Cursor
 
+    def served(self) -> list[int]:
+        """Positions in `contenders` of those that get at least one task, in ring order."""
+        return [i for i, n in enumerate(self.tasks) if n > 0]
 
-def allocate(contenders: list[Contender], slots: int, credit: int) -> Allocation:
+    @property
+    def shares(self) -> dict[uuid.UUID, tuple[int, int]]:
+        """Company id to `(tasks, turn)`, for those that get at least one task."""
+        return {
+            self.contenders[i].company_id: (self.tasks[i], self.turns[i]) for i in self.served()
+        }
+
+
+def allocate(contenders: Sequence[Contender], slots: int, credit: int) -> Allocation:
     """Share `slots` tasks among `contenders`, listed in ring order from the cursor.
 
     `credit` is what the first contender has left of an interrupted turn (0: a full turn,
     its weight). Companies get at most their headroom. Returns only companies that get at
     least one task; the shares add up to `min(slots, sum of headrooms)`.
     """
+    fast = _first_lap(contenders, slots, credit)
+    return fast if fast is not None else _rounds(contenders, slots, credit)
+
+
+def _first_lap(contenders: Sequence[Contender], slots: int, credit: int) -> Allocation | None:
+    """The common case in one pass: no limits, and one lap fills the batch; else None.
+
+    What `_rounds` computes for it (a property test compares them), without its queue.
+    """
+    if slots <= 0:
+        return None
+    n = len(contenders)
+    tasks = [0] * n
+    turns = [-1] * n
+    first_turns = [0] * n
+    left = slots
+    for i, contender in enumerate(contenders):
+        if contender.headroom is not None:
+            return None
+        quantum = credit if i == 0 and credit > 0 else contender.weight
+        give = quantum if quantum < left else left
+        tasks[i], turns[i], first_turns[i] = give, i, quantum
+        left -= give
+        if left == 0:
+            return Allocation(
+                contenders,
+                tasks,
+                turns,
+                first_turns,
+                Cursor(contender.ring_position, quantum - give),
+            )
+    return None
+
+
+def _rounds(contenders: Sequence[Contender], slots: int, credit: int) -> Allocation:
+    """Round robin turn by turn: any headroom, any number of laps."""
     taken = [0] * len(contenders)
     turn_of = [-1] * len(contenders)
     first_turn = [0] * len(contenders)
@@ -102,9 +152,4 @@ def allocate(contenders: list[Contender], slots: int, credit: int) -> Allocation
             at += 1
         if queue:
             at %= len(queue)
-    served = [i for i, n in enumerate(taken) if n > 0]
-    return Allocation(
-        {contenders[i].company_id: (taken[i], turn_of[i]) for i in served},
-        {contenders[i].company_id: first_turn[i] for i in served},
-        cursor,
-    )
+    return Allocation(contenders, taken, turn_of, first_turn, cursor)

@@ -500,13 +500,17 @@ def _claim(
         if not contenders:
             break
         allocation = fair_share.allocate(contenders, wanted, credit)
-        rows = connection.execute(
-            _CLAIM, claim_parameters(worker_id, contenders, allocation)
-        ).fetchall()
+        rows = connection.execute(_CLAIM, claim_parameters(worker_id, allocation)).fetchall()
         claimed = [ClaimedTask(*row) for row in rows]
         batch.extend(claimed)
+        if len(claimed) == sum(allocation.tasks):
+            break
         got = collections.Counter(task.company_id for task in claimed)
-        short = [i for i, (n, _) in allocation.shares.items() if got[i] < n]
+        short = [
+            contenders[i].company_id
+            for i in allocation.served()
+            if got[contenders[i].company_id] < allocation.tasks[i]
+        ]
         if not short:
             break
         exhausted.extend(short)
@@ -515,19 +519,17 @@ def _claim(
     return batch
 
 
-def claim_parameters(
-    worker_id: str, contenders: Sequence[fair_share.Contender], allocation: fair_share.Allocation
-) -> dict[str, Any]:
+def claim_parameters(worker_id: str, allocation: fair_share.Allocation) -> dict[str, Any]:
     """The parameters of the claim statement `_CLAIM` for this allocation."""
-    shares, first_turns = allocation.shares, allocation.first_turns
-    served = [c for c in contenders if c.company_id in shares]
+    served = allocation.served()
+    contenders = allocation.contenders
     return {
         "worker_id": worker_id,
-        "company_ids": [c.company_id for c in served],
-        "shares": [shares[c.company_id][0] for c in served],
-        "turns": [shares[c.company_id][1] for c in served],
-        "first_turns": [first_turns[c.company_id] for c in served],
-        "weights": [c.weight for c in served],
+        "company_ids": [contenders[i].company_id for i in served],
+        "shares": [allocation.tasks[i] for i in served],
+        "turns": [allocation.turns[i] for i in served],
+        "first_turns": [allocation.first_turns[i] for i in served],
+        "weights": [contenders[i].weight for i in served],
         "cursor_position": allocation.cursor.ring_position,
         "cursor_credit": allocation.cursor.credit,
     }

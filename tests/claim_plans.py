@@ -55,4 +55,4 @@ def first_round_params(session: Session, batch_size: int, worker_id: str) -> dic
     connection.execute(queue._SERIALIZE_CLAIMERS, {"key": queue.CLAIM_LOCK_KEY})
     contenders, credit = queue._contenders(connection, batch_size, exclude=[])
     allocation = fair_share.allocate(contenders, batch_size, credit)
-    return queue.claim_parameters(worker_id, contenders, allocation)
+    return queue.claim_parameters(worker_id, allocation)

@@ -277,3 +277,28 @@ def test_with_equal_weights_no_company_is_ever_two_tasks_ahead_of_another(
         cursor = allocation.cursor
         counts = [totals[c.company_id] for c in contenders]
         assert max(counts) - min(counts) <= 1, counts
+
+
+unlimited_rings = st.lists(st.integers(1, 1000), min_size=0, max_size=12).map(
+    lambda weights: [
+        Contender(uuid.UUID(int=i + 1), 10 * (i + 1), weight, None)
+        for i, weight in enumerate(weights)
+    ]
+)
+
+
+@PROPERTIES
+@given(contenders=unlimited_rings, slots=st.integers(0, 500), credit=st.integers(0, 999))
+def test_the_one_lap_shortcut_allocates_as_the_turn_by_turn_rule_does(
+    contenders: list[Contender], slots: int, credit: int
+) -> None:
+    credit = min(credit, contenders[0].weight - 1) if contenders else 0
+
+    shortcut = fair_share._first_lap(contenders, slots, credit)
+    if shortcut is None:  # more than one lap, or nothing to give: not its case
+        return
+    full = fair_share._rounds(contenders, slots, credit)
+    assert shortcut.shares == full.shares
+    assert shortcut.cursor == full.cursor
+    served = full.served()
+    assert [shortcut.first_turns[i] for i in served] == [full.first_turns[i] for i in served]
