@@ -1,4 +1,4 @@
-"""Bearer-token authentication: the admin token and per-company API keys (DESIGN §3).
+"""Bearer-token authentication: the admin token and per-company API keys (design §3).
 
 RFC 6750: a missing or invalid token is a 401 with `WWW-Authenticate: Bearer`. A company key
 used on another company's path is a 404, never a 403, so ids of other tenants do not leak.
@@ -99,7 +99,7 @@ def require_company(company_id: uuid.UUID, *, allow_admin: bool = False) -> Prin
     if principal.company_id == company_id or (allow_admin and principal.is_admin):
         return principal
     if principal.is_admin:
-        # The admin token does not act for tenants on task endpoints (DESIGN §3 "who").
+        # The admin token does not act for tenants on task endpoints (design §3 "who").
         abort(403, message="the admin token cannot act for a company; use its API key")
     abort(404, message="company not found")
     raise AssertionError("unreachable")

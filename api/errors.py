@@ -1,6 +1,6 @@
 """The one translation point from domain and driver errors to flask-smorest's error body.
 
-Every error response has the shape `{"code", "status", "message", "errors"?}` (DESIGN §3).
+Every error response has the shape `{"code", "status", "message", "errors"?}` (design §3).
 """
 
 from __future__ import annotations

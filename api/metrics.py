@@ -1,9 +1,9 @@
-"""API metrics (DESIGN §7): HTTP requests by route template, and queue gauges at scrape time.
+"""API metrics (design §7): HTTP requests by route template, and queue gauges at scrape time.
 
 Under gunicorn, `PROMETHEUS_MULTIPROC_DIR` is set by the entrypoint before anything imports
 `prometheus_client`, and `/metrics` aggregates every gunicorn worker's files. Outside gunicorn
 (tests, `flask run`) each app gets its own registry, so building two apps in one process does
-not leave the second one uninstrumented (STACK.md).
+not leave the second one uninstrumented (docs/stack-notes.md).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ CROSS JOIN LATERAL (
 class QueueCollector(Collector):
     """`tasks_by_status{status}` and `oldest_eligible_pending_age_seconds`, read per scrape.
 
-    Both cost about the same at 10M rows as at 10k (DESIGN §7: they must not vanish behind the
+    Both cost about the same at 10M rows as at 10k (design §7: they must not vanish behind the
     statement timeout as the table grows): the oldest eligible task is one index probe per
     company; counts are exact up to `live_limit` rows per live status and `terminal_limit`
     finished rows, and above that the planner's estimate, as `TASKS_BY_STATUS_HELP` says.

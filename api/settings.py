@@ -1,4 +1,4 @@
-"""API settings: the only place the API process reads the environment (DESIGN §8)."""
+"""API settings: the only place the API process reads the environment (design §8)."""
 
 from __future__ import annotations
 

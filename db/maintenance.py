@@ -1,4 +1,4 @@
-"""Housekeeping statements of the worker: retention of finished tasks (DESIGN §4 Retention).
+"""Housekeeping statements of the worker: retention of finished tasks (design §4 Retention).
 
 Callers own the session and commit, as in `db.queue`.
 """

@@ -1,4 +1,4 @@
-"""Tables of fairq (DESIGN §2), mirrored from the Alembic migrations.
+"""Tables of fairq (design §2), mirrored from the Alembic migrations.
 
 `alembic check` proves these models and the migrations agree, except for partial-index
 predicates, which `tests/test_migrations.py` compares against `pg_indexes` itself.
@@ -35,7 +35,7 @@ NAMING_CONVENTION = {
 
 
 class TaskStatus(enum.StrEnum):
-    """The states of a task (DESIGN §4).
+    """The states of a task (design §4).
 
     pending -> processing -> completed | failed | pending (retry, release);
     pending -> cancelled; failed | cancelled -> pending (retry through the API).
@@ -165,7 +165,7 @@ _status_values = ", ".join(f"'{s.value}'" for s in TaskStatus)
 
 
 class Task(Base):
-    """A unit of background work owned by one company (DESIGN §2 `tasks`)."""
+    """A unit of background work owned by one company (design §2 `tasks`)."""
 
     __tablename__ = "tasks"
 

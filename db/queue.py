@@ -1,4 +1,4 @@
-"""Every statement that reads or moves tasks through the state machine (DESIGN §4).
+"""Every statement that reads or moves tasks through the state machine (design §4).
 
 Callers own the session and commit; functions here never commit. Timestamps always come
 from the database clock (`now()`), never from Python.
@@ -701,7 +701,7 @@ RETURNING t.id
 def heartbeat(session: Session, leases: Sequence[Lease]) -> set[uuid.UUID]:
     """Refresh `locked_at` of the tasks still held under these leases; return their ids.
 
-    DESIGN §4 Heartbeat: keeps a long task from looking stale while its worker is alive.
+    design §4 Heartbeat: keeps a long task from looking stale while its worker is alive.
     The count refreshed is `len()` of the result; ids missing from it lost their lease
     (taken over after expiry, or already finalized) and were not touched.
     """
@@ -710,7 +710,7 @@ def heartbeat(session: Session, leases: Sequence[Lease]) -> set[uuid.UUID]:
     return set(session.scalars(_HEARTBEAT, _unzip(leases)))
 
 
-# Every finalizer is fenced (DESIGN §1.4): it matches only while the caller still holds the
+# Every finalizer is fenced (design §1.4): it matches only while the caller still holds the
 # lease. A miss means the lease was lost; nothing changes and the caller counts it.
 
 _COMPLETE = """
@@ -818,7 +818,7 @@ RETURNING t.id
 def release_tasks(session: Session, leases: Sequence[Lease]) -> set[uuid.UUID]:
     """Hand back held tasks that were never started (shutdown); return the ids released.
 
-    DESIGN §4 Release: back to `pending` with the attempt undone and `run_after` untouched.
+    design §4 Release: back to `pending` with the attempt undone and `run_after` untouched.
     Ids missing from the result lost their lease and were left unchanged.
     """
     if not leases:

@@ -3,7 +3,7 @@
 #
 # PROMETHEUS_MULTIPROC_DIR must exist, and hold no files from a previous run, before the
 # process imports prometheus_client: stale *.db files would carry counters over a restart
-# (STACK.md). Then exec the command, so it replaces this shell as PID 1 and receives the
+# (docs/stack-notes.md). Then exec the command, so it replaces this shell as PID 1 and receives the
 # SIGTERM of `docker stop` itself.
 set -eu
 

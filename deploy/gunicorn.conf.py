@@ -11,7 +11,7 @@ import shutil
 import tempfile
 
 # Multiprocess metrics need a directory shared by every gunicorn worker, set before any of
-# them imports prometheus_client (STACK.md); without one, /metrics would show whichever
+# them imports prometheus_client (docs/stack-notes.md); without one, /metrics would show whichever
 # worker answered. The entrypoint or the operator may choose it; else a fresh one per run,
 # created only then (not as setdefault's argument, which ran on every start and left an
 # empty directory behind) and removed when the master exits.
@@ -43,7 +43,7 @@ control_socket_disable = True
 def on_starting(server: object) -> None:
     """Empty the metrics directory before any worker writes to it.
 
-    Counters would otherwise carry over from the previous run (STACK.md). Only the master
+    Counters would otherwise carry over from the previous run (docs/stack-notes.md). Only the master
     runs this, before forking; `prometheus_client` is not imported here on purpose.
     """
     directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")

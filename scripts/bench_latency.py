@@ -1,4 +1,4 @@
-"""Enqueue-to-start latency on an idle system (DESIGN §9): real API, real supervisor.
+"""Enqueue-to-start latency on an idle system (design §9): real API, real supervisor.
 
 Starts the API under gunicorn (`deploy/gunicorn.conf.py`) and `python -m worker` (defaults:
 2 children, 1 s poll, so a fast start comes from NOTIFY), creates a company, warms up, then

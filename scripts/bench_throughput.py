@@ -1,4 +1,4 @@
-"""Drain throughput of the real worker supervisor, side by side with pgqueuer (DESIGN §9).
+"""Drain throughput of the real worker supervisor, side by side with pgqueuer (design §9).
 
 A fairq run empties the tables, inserts `--tasks` pending `noop` tasks spread evenly over the
 companies of one shape (`--companies`, default 1, 50 and 2,000), starts `python -m worker`

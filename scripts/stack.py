@@ -166,7 +166,8 @@ def _base_env(database_url: str, workdir: Path, env: Mapping[str, str] | None) -
         **os.environ,
         "DATABASE_URL": database_url,
         "PYTHONPATH": str(ROOT),
-        # One directory per process tree (STACK.md): the API's and each supervisor's differ.
+        # One directory per process tree (docs/stack-notes.md): the API's and each
+        # supervisor's differ.
         "PROMETHEUS_MULTIPROC_DIR": str(workdir / "prometheus"),
         **(env or {}),
     }

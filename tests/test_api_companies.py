@@ -1,5 +1,5 @@
 """The company endpoints: the admin creates tenants and sets their limits, a tenant reads itself
-(DESIGN §2, §3)."""
+(design §2, §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The task endpoints: create, read, list, cancel and retry (DESIGN §3)."""
+"""The task endpoints: create, read, list, cancel and retry (design §3)."""
 
 from __future__ import annotations
 

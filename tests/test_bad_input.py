@@ -1,4 +1,4 @@
-"""Bad input on the task API: always a 4xx with the error body, never a row (DESIGN §1.6, §3)."""
+"""Bad input on the task API: always a 4xx with the error body, never a row (design §1.6, §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The chaos run (`scripts/chaos.py`) scaled down: SIGKILLed workers lose no task (DESIGN §1.1)."""
+"""The chaos run (`scripts/chaos.py`) scaled down: SIGKILLed workers lose no task (design §1.1)."""
 
 from __future__ import annotations
 

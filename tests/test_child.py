@@ -1,4 +1,4 @@
-"""Worker children (DESIGN §4 Wake-up, Retention; §5): NOTIFY, polling, database restarts."""
+"""Worker children (design §4 Wake-up, Retention; §5): NOTIFY, polling, database restarts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The claim (DESIGN §4): eligibility, fairness, SKIP LOCKED, EvalPlanQual, concurrency.
+"""The claim (design §4): eligibility, fairness, SKIP LOCKED, EvalPlanQual, concurrency.
 
 Weighted shares, in-flight limits, the wake-up protocol and the migration of the weighted fair
 claim have their own module, `tests/test_fair_claim.py`.
@@ -504,7 +504,7 @@ def _wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
 def test_concurrent_claimers_are_serialized_and_get_full_batches(
     fresh_engine: Engine, fresh_db_url: str
 ) -> None:
-    """Two claimers released at once both get full, disjoint batches (DESIGN §4 evidence).
+    """Two claimers released at once both get full, disjoint batches (design §4 evidence).
 
     Without the advisory lock they would compute the same candidates and SKIP LOCKED would
     leave one of them mostly empty-handed.

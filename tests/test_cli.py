@@ -1,4 +1,4 @@
-"""`python -m worker` command line (DESIGN §5, §8): help, --once, configuration errors."""
+"""`python -m worker` command line (design §5, §8): help, --once, configuration errors."""
 
 from __future__ import annotations
 

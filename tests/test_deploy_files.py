@@ -1,4 +1,4 @@
-"""The deployment files agree with each other, with the code and with DESIGN §5, §7 and §9.
+"""The deployment files agree with each other, with the code and with design §5, §7 and §9.
 
 Docker does not run where the tests run, so these tests read docker-compose.yml, the
 Dockerfile, the Prometheus and Grafana files as data, and run the entrypoint script for real.
@@ -46,7 +46,7 @@ E2E_COMMANDS: Final[dict[str, list[str]]] = {
 IMAGE_SERVICES: Final = tuple(E2E_COMMANDS)
 IMAGE_ENTRYPOINT: Final = ["/app/deploy/entrypoint.sh"]
 
-# Published ports (host:container), DESIGN §9.
+# Published ports (host:container), design §9.
 EXPECTED_PORTS: Final[dict[str, set[str]]] = {
     "api": {"8000:8000"},
     "worker": {"9100:9100"},
@@ -54,7 +54,7 @@ EXPECTED_PORTS: Final[dict[str, set[str]]] = {
     "prometheus": {"9090:9090"},
 }
 
-# Metric names, DESIGN §7 (worker port and the API's queue gauges), plus what
+# Metric names, design §7 (worker port and the API's queue gauges), plus what
 # prometheus-flask-exporter exposes for HTTP requests and what Prometheus adds per target.
 _COUNTERS = (
     "tasks_claimed_total",
@@ -77,7 +77,7 @@ ALLOWED_METRICS: Final = frozenset(
     {*_COUNTERS, *_GAUGES}
     | {f"{name}_{suffix}" for name in _HISTOGRAMS for suffix in ("bucket", "sum", "count")}
 )
-# Labels those metrics carry (bounded values only, DESIGN §7), plus Prometheus's target labels.
+# Labels those metrics carry (bounded values only, design §7), plus Prometheus's target labels.
 ALLOWED_LABELS: Final = frozenset({"type", "status", "method", "url_rule", "le", "job", "instance"})
 
 _PROMQL_KEYWORDS = frozenset(
@@ -560,7 +560,7 @@ def test_alerts_and_dashboard_use_only_metrics_and_labels_that_exist(
 
     for expr in exprs:
         unknown = promql_metric_names(expr) - ALLOWED_METRICS
-        assert not unknown, f"not in DESIGN §7 or the flask exporter: {unknown} in {expr!r}"
+        assert not unknown, f"not in design §7 or the flask exporter: {unknown} in {expr!r}"
         labels = promql_label_names(expr) - ALLOWED_LABELS
         assert not labels, f"unknown labels {labels} in {expr!r}"
 

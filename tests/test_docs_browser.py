@@ -1,4 +1,4 @@
-"""Swagger UI at /docs renders in a real browser with no internet access (DESIGN §3, STACK.md).
+"""Swagger UI at /docs renders in a real browser with no internet (design §3, stack notes).
 
 A real HTTP server runs the app; headless Chromium loads /docs through a proxy that does not
 exist, so every non-local request fails, and records its network log. The page must render
@@ -38,7 +38,7 @@ DOCS_HOST: Final = "fairq.test"
 # Nothing listens on the discard port: a request sent through this proxy fails at once.
 DEAD_PROXY: Final = "http://127.0.0.1:9"
 CHROMIUM_TIMEOUT_SECONDS: Final = 60
-# Paths DESIGN §3 promises, as OpenAPI templates (flask-smorest names them after the view args).
+# Paths design §3 promises, as OpenAPI templates (flask-smorest names them after the view args).
 REQUIRED_PATHS: Final = {
     "/companies",
     "/companies/{company_id}",

@@ -4,7 +4,7 @@ Runs exactly `E2E_COMMANDS` (the commands docker-compose.yml runs, tests/test_de
 through `deploy/entrypoint.sh`, as the image does: the migration, gunicorn with
 `deploy/gunicorn.conf.py`, and the worker supervisor. A company creates one task of each type;
 webhooks go to a local HTTP receiver and mail to a local SMTP server (aiosmtpd). Then both
-metrics endpoints are checked against DESIGN §7, both processes get SIGTERM and must exit 0,
+metrics endpoints are checked against design §7, both processes get SIGTERM and must exit 0,
 and their logs must hold no traceback and one line per request.
 """
 

@@ -1,4 +1,4 @@
-"""Fenced finalization, heartbeat, expired leases and poison pills, backoff (DESIGN §1.4, §4)."""
+"""Fenced finalization, heartbeat, expired leases and poison pills, backoff (design §1.4, §4)."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def test_release_restores_attempts_and_keeps_run_after(
 def test_a_late_worker_changes_nothing_after_its_lease_was_taken_over(
     db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
 ) -> None:
-    """Fencing (DESIGN §1.4): every finalizer with the old token misses and changes nothing."""
+    """Fencing (design §1.4): every finalizer with the old token misses and changes nothing."""
     task = claimed_task(make_company().id, locked_by="old:1")
     old = lease(task)
     new = take_over(db_session, task)

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of every operation in /openapi.json (DESIGN §1.6, §3), with schemathesis.
+"""Property-based fuzzing of every operation in /openapi.json (design §1.6, §3), with schemathesis.
 
 Each operation gets schema-valid and schema-violating requests, sent with real tokens to the
 real app on a fresh database (requests commit). Every response must be a non-5xx, carry a
@@ -132,7 +132,7 @@ def _documented_statuses(raw: dict[str, Any]) -> set[int]:
 
 
 def _assert_error_shape(status: int, body: Any) -> None:
-    """DESIGN §3: `{"code", "status", "message", "errors"?}` for every error."""
+    """design §3: `{"code", "status", "message", "errors"?}` for every error."""
     assert isinstance(body, dict), body
     assert set(body) <= {"code", "status", "message", "errors"}, body
     assert body["code"] == status, body

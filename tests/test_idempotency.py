@@ -1,4 +1,4 @@
-"""Idempotency-Key on task creation (DESIGN §3, IETF Idempotency-Key header draft)."""
+"""Idempotency-Key on task creation (design §3, IETF Idempotency-Key header draft)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Most requests go through the Flask test client. What only a real HTTP server sees (header size
 limits, chunked bodies, broken framing) goes to gunicorn started with deploy/gunicorn.conf.py,
-over raw sockets (DESIGN §1.6, §3).
+over raw sockets (design §1.6, §3).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tenant isolation: a company sees and changes only its own tasks (DESIGN §1.5).
+"""Tenant isolation: a company sees and changes only its own tasks (design §1.5).
 
 Every cross-tenant request is a 404 (never a 403, which would confirm the id exists), carries
 none of the other company's data, and changes nothing.

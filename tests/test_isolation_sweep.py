@@ -1,10 +1,10 @@
-"""Tenant isolation swept over every route of the app that has a company in its path (DESIGN §1.5).
+"""Tenant isolation swept over every route of the app that has a company in its path (design §1.5).
 
 The routes come from `app.url_map`, so a route added later is swept without editing this file;
 only the admin's expected answer must be added to `ADMIN_EXPECTED` (the sweep fails until it
 is). For each route and method: another company's key gets the 404 of an id that does not
 exist (on an admin-only route, `ADMIN_ONLY`, the 401 every company key gets there), the admin
-token gets what DESIGN §3 says, no token gets a 401 with `WWW-Authenticate: Bearer`; no answer
+token gets what design §3 says, no token gets a 401 with `WWW-Authenticate: Bearer`; no answer
 carries the victim's data, and nothing changes (but what the admin may change).
 """
 
@@ -38,7 +38,7 @@ NAME_MARKER = "victim-name-7f3a9c"
 PAYLOAD_MARKER = "victim-payload-5e1b2d"
 ERROR_MARKER = "victim-error-9d4c8a"
 
-# What the admin token gets on each company route (DESIGN §3 "who"): it may read a company and
+# What the admin token gets on each company route (design §3 "who"): it may read a company and
 # set its limits, but does not act for a tenant on its tasks (403 with a message, the same for
 # any company id).
 ADMIN_EXPECTED: dict[tuple[str, str], int] = {

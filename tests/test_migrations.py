@@ -1,4 +1,4 @@
-"""Alembic owns the schema; the models mirror it exactly (DESIGN §2, STACK "Alembic").
+"""Alembic owns the schema; the models mirror it exactly (design §2, STACK "Alembic").
 
 `alembic check` compares tables, columns, indexes and unique/foreign keys, but not
 partial-index predicates, INCLUDE columns or CHECK constraints: those are compared here by

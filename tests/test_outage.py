@@ -1,4 +1,4 @@
-"""A database outage under the real API and supervisor (DESIGN §1.1, §1.6, §3 /health /ready).
+"""A database outage under the real API and supervisor (design §1.1, §1.6, §3 /health /ready).
 
 The test owns its PostgreSQL (a dedicated embedded server on a free port), stops it for a few
 seconds while the API (gunicorn) and a supervisor run, checks how each endpoint degrades, then

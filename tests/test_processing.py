@@ -301,7 +301,7 @@ def test_a_lease_taken_over_during_the_handler_is_counted_as_lost(
 def test_a_task_whose_lease_the_heartbeat_found_taken_over_is_not_started(
     sessions: sessionmaker[Session], company: uuid.UUID, register: Register
 ) -> None:
-    """Running it would process it twice at once (DESIGN §1.2); it is skipped and counted."""
+    """Running it would process it twice at once (design §1.2); it is skipped and counted."""
     started: list[uuid.UUID] = []
 
     def first(task: TaskContext) -> None:

@@ -1,8 +1,8 @@
 """Properties of the input validators and of the retry backoff, checked with hypothesis.
 
-Validators (DESIGN §1.6, §3): whatever JSON a client sends, validation either accepts it or
+Validators (design §1.6, §3): whatever JSON a client sends, validation either accepts it or
 raises `ValidationError` (a 422), never another exception (a 500); what it accepts is within
-the documented limits and survives a JSON round trip. Backoff (DESIGN §4, Fail): a delay in
+the documented limits and survives a JSON round trip. Backoff (design §4, Fail): a delay in
 `[0, min(cap, base * 2 ** (attempt - 1))]` for every attempt, however large, without overflow.
 """
 
@@ -78,7 +78,7 @@ payloads = st.one_of(
 
 
 def depth(value: Any) -> int:
-    """Nesting depth as DESIGN §3 counts it: the top object is 1, scalars add nothing."""
+    """Nesting depth as design §3 counts it: the top object is 1, scalars add nothing."""
     if isinstance(value, dict):
         return 1 + max((depth(v) for v in value.values()), default=0)
     if isinstance(value, list):
@@ -96,7 +96,7 @@ def contains_nul(value: Any) -> bool:
 
 
 def compact_size(value: Any) -> int:
-    """Bytes of `value` as compact UTF-8 JSON, the size DESIGN §3 limits."""
+    """Bytes of `value` as compact UTF-8 JSON, the size design §3 limits."""
     return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
 
 

@@ -1,4 +1,4 @@
-"""The API's queue gauges (DESIGN §7): what they report, and that their cost stays bounded."""
+"""The API's queue gauges (design §7): what they report, and that their cost stays bounded."""
 
 from __future__ import annotations
 

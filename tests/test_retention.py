@@ -1,4 +1,4 @@
-"""Retention never deletes a task that is being brought back to life (DESIGN §1.1, §4)."""
+"""Retention never deletes a task that is being brought back to life (design §1.1, §4)."""
 
 from __future__ import annotations
 

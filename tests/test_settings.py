@@ -1,4 +1,4 @@
-"""Settings are read once from the environment and refuse bad values by name (DESIGN §8)."""
+"""Settings are read once from the environment and refuse bad values by name (design §8)."""
 
 from __future__ import annotations
 

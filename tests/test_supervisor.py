@@ -1,4 +1,4 @@
-"""The supervisor (DESIGN §5) as a real process tree: real forks, real signals, real PostgreSQL."""
+"""The supervisor (design §5) as a real process tree: real forks, real signals, real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_ttin_adds_a_child_and_ttou_never_goes_below_one(supervisor: StartSuperv
     sup = supervisor("--concurrency", "2")
     sup.wait_children(2)
     assert sup.metrics()["worker_children"] == 2
-    # Forking a threaded process is unsafe (STACK.md): the supervisor has one thread.
+    # Forking a threaded process is unsafe (docs/stack-notes.md): the supervisor has one thread.
     assert len(list(Path(f"/proc/{sup.pid}/task").iterdir())) == 1
 
     # One signal at a time: the kernel merges a signal sent while the same one is pending.
@@ -184,7 +184,7 @@ def test_child_stuck_past_shutdown_timeout_is_killed(
     assert time.monotonic() - started < 5
     assert not harness.is_alive(child)
     assert "killing them" in sup.log()
-    # Left to lease expiry, as DESIGN §5 says.
+    # Left to lease expiry, as design §5 says.
     assert harness.task_row(fresh_engine, stuck)["status"] == "processing"
 
 

@@ -1,4 +1,4 @@
-"""The supervisor's metrics port (DESIGN §7): children's counters summed, plus /health."""
+"""The supervisor's metrics port (design §7): children's counters summed, plus /health."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Retry delays: capped exponential backoff with full jitter (DESIGN §4, Fail).
+"""Retry delays: capped exponential backoff with full jitter (design §4, Fail).
 
 Source: Marc Brooker, "Exponential Backoff and Jitter", AWS Architecture Blog (2015). Full
 jitter, `sleep = random_between(0, min(cap, base * 2 ** attempt))`, spreads the retries of

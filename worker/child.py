@@ -1,4 +1,4 @@
-"""A worker child (DESIGN §5): claims and runs batches until told to stop.
+"""A worker child (design §5): claims and runs batches until told to stop.
 
 Forked by `worker.supervisor`. In order, a child:
 

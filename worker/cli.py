@@ -1,4 +1,4 @@
-"""`python -m worker`: run the supervisor, or one processing pass with `--once` (DESIGN §5).
+"""`python -m worker`: run the supervisor, or one processing pass with `--once` (design §5).
 
 Flags mirror settings: each one overrides its environment variable and is validated the
 same way (`WorkerSettings.from_env`). Exit statuses: 0 stopped on request; 1 cannot start

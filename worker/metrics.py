@@ -1,4 +1,4 @@
-"""Worker metrics (DESIGN §7) in Prometheus multiprocess mode, and the port that serves them.
+"""Worker metrics (design §7) in Prometheus multiprocess mode, and the port that serves them.
 
 Import this module only after `PROMETHEUS_MULTIPROC_DIR` is set (`worker.supervisor` does it
 first): `prometheus_client` picks its value storage when it is first imported, and metrics
@@ -34,7 +34,7 @@ log = logging.getLogger("fairq.worker.metrics")
 TASK_DURATION_BUCKETS = (
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
-# The claim is one statement: a few milliseconds when healthy (DESIGN §4 claim evidence).
+# A claim takes a few milliseconds when healthy (decision 0002, "Measurements").
 CLAIM_DURATION_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 )  # fmt: skip
@@ -46,7 +46,7 @@ class TaskMetrics:
     Create it in the child, after the fork. The metrics are not registered anywhere: in
     multiprocess mode their values live in this process's files, which the supervisor's
     `MultiProcessCollector` reads. `type` labels are registered task type names only, so
-    their number is bounded (DESIGN §7).
+    their number is bounded (design §7).
     """
 
     def __init__(self, task_types: Iterable[str] = ()) -> None:

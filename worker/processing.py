@@ -6,7 +6,7 @@ own; handlers run holding no transaction and no row lock (STYLE "Database"; proc
 `fetch_job` / `finish_job`).
 
 While the batch runs, a lease keeper thread (`LeaseKeeper`, its own session) refreshes the
-leases the pass still holds every `heartbeat_interval` (DESIGN §4 Heartbeat), so a long task
+leases the pass still holds every `heartbeat_interval` (design §4 Heartbeat), so a long task
 is never reclaimed while its worker is alive, and writes completions in batches: one fenced
 `UPDATE ... FROM unnest(...)` for all completions older than `COMPLETION_FLUSH_SECONDS`,
 instead of one commit per task. The pass writes the rest when its batch ends. Every database
@@ -132,12 +132,12 @@ class PassDefaults:
 
     @property
     def effective_heartbeat_interval(self) -> float:
-        """`heartbeat_interval`, else `stale_after / 5` (DESIGN §4)."""
+        """`heartbeat_interval`, else `stale_after / 5` (design §4)."""
         return self.heartbeat_interval or self.stale_after / 5
 
 
 class PassObserver(Protocol):
-    """Receives what a pass did, for metrics (DESIGN §7). Methods must not raise."""
+    """Receives what a pass did, for metrics (design §7). Methods must not raise."""
 
     def claimed(self, n: int) -> None:
         """`n` tasks were claimed."""
@@ -292,7 +292,7 @@ def process_batch(
     throughout and writes single statements in autocommit (see the module docstring).
     `worker_id` is stored in `locked_by` (`host:pid`). The sweep runs when `sweep` says it
     is due, or every pass without one. `stop` is checked before the claim and before each task:
-    once set, the unstarted rest of the batch is released (DESIGN §4 Release) and the pass
+    once set, the unstarted rest of the batch is released (design §4 Release) and the pass
     returns. A handler's `Exception` never escapes: `PermanentTaskError`, an unknown type or
     a last attempt fails the task, anything else retries it after `worker.backoff.delay`.
     A `BaseException` (KeyboardInterrupt, SystemExit) propagates after the pass writes its
@@ -657,7 +657,7 @@ class _Pass:
     def _confirm_leases(self, session: Session) -> None:
         # The keeper refreshes leases in the background; if it has fallen behind (database
         # hiccup), find out which leases are still ours before starting anything, or a task
-        # another worker took over could run twice at once (DESIGN §1.2).
+        # another worker took over could run twice at once (design §1.2).
         if time.monotonic() - self._confirmed_at > self.settings.stale_after / 2:
             self.heartbeat(session)
 

@@ -1,4 +1,4 @@
-"""Worker settings: the only place worker processes read the environment (DESIGN §8).
+"""Worker settings: the only place worker processes read the environment (design §8).
 
 Also holds the small environment parsers the API settings reuse, so every variable is
 validated the same way and every error names its variable.
@@ -107,7 +107,7 @@ def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
 class WorkerSettings:
     """Settings of the worker supervisor and its children, validated at start.
 
-    Durations are seconds. `heartbeat_interval` defaults to `stale_after / 5` (DESIGN §4).
+    Durations are seconds. `heartbeat_interval` defaults to `stale_after / 5` (design §4).
     """
 
     database_url: str

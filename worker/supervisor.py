@@ -1,4 +1,4 @@
-"""The worker supervisor (DESIGN §5): forks children and keeps the right number alive.
+"""The worker supervisor (design §5): forks children and keeps the right number alive.
 
 Modelled on gunicorn's arbiter. One single-threaded loop:
 
@@ -226,8 +226,9 @@ class Supervisor:
     def _prepare_metrics_dir(self) -> None:
         """Create and empty the multiprocess directory, and point prometheus_client at it.
 
-        Emptied at start, else counters of an earlier run carry over (STACK.md); only `*.db`
-        files are removed, in case the variable points at a directory holding anything else.
+        Emptied at start, else counters of an earlier run carry over (docs/stack-notes.md); only
+        `*.db` files are removed, in case the variable points at a directory holding anything
+        else.
         """
         if "prometheus_client" in sys.modules:
             # Its value class is already chosen: every child's metrics would stay in memory.

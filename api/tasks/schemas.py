@@ -1,4 +1,4 @@
-"""Request and response schemas of /companies/{companyId}/tasks (DESIGN §3)."""
+"""Request and response schemas of /companies/{companyId}/tasks (design §3)."""
 
 from __future__ import annotations
 

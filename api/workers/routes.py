@@ -1,6 +1,6 @@
 """/workers/process: run one processing pass inside the API process (admin only).
 
-For operations and tests without a running supervisor (DESIGN §3). The pass uses the worker
+For operations and tests without a running supervisor (design §3). The pass uses the worker
 defaults (batch 100, fair across companies), the API's `STALE_AFTER_SECONDS` and the same
 handler settings as the worker (`SMTP_URL`, `WEBHOOK_ALLOW_PRIVATE`, ...); it runs in the
 request, so the response waits for every claimed task's handler.

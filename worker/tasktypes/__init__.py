@@ -1,4 +1,4 @@
-"""The registry of task types: name -> payload schema and handler (DESIGN §6).
+"""The registry of task types: name -> payload schema and handler (design §6).
 
 Adding a type: write a module here exposing `TASK_TYPE`, then list it in `_MODULES`.
 """

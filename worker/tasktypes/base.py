@@ -1,4 +1,4 @@
-"""What a task type is: a payload schema plus a handler (DESIGN §6)."""
+"""What a task type is: a payload schema plus a handler (design §6)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class HandlerConfig:
 class TaskContext:
     """One attempt at one task, as a handler sees it.
 
-    `task_id` is the idempotency key for every side effect (DESIGN §1.1); `attempt` counts from 1.
+    `task_id` is the idempotency key for every side effect (design §1.1); `attempt` counts from 1.
     """
 
     task_id: uuid.UUID

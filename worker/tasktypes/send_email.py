@@ -1,4 +1,4 @@
-"""`send_email` {to, subject, body?}: one SMTP message, identified by the task id (DESIGN §6)."""
+"""`send_email` {to, subject, body?}: one SMTP message, identified by the task id (design §6)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def handle(task: TaskContext) -> None:
     """Send `payload.subject`/`payload.body` to `payload.to` through `config.smtp_url`.
 
     `Message-ID` is `<{task id}@fairq>` and `X-Fairq-Task-Id` carries the task id, so a resend
-    after a crash (at-least-once, DESIGN §1.1) is recognisable downstream.
+    after a crash (at-least-once, design §1.1) is recognisable downstream.
 
     Raises `PermanentTaskError` when the server rejects the message or recipient with a 5xx
     reply (RFC 5321 §4.2.1), or when the payload cannot form a message (e.g. a line break in the

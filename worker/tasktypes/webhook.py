@@ -1,4 +1,4 @@
-"""`webhook` {url, body?, headers?}: one HTTP POST keyed by the task id (DESIGN §6)."""
+"""`webhook` {url, body?, headers?}: one HTTP POST keyed by the task id (design §6)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ _MAX_ADDRESSES = 3
 # Headers the user may not set (compared lower-case). Hop-by-hop headers (RFC 9110 §7.6.1) belong
 # to one connection, not to the message; Host and Content-Length are derived from the URL and the
 # body, and a forged pair would misroute or desynchronise the request; Idempotency-Key and
-# Content-Type are ours and must win (DESIGN §1.1).
+# Content-Type are ours and must win (design §1.1).
 _RESERVED_HEADERS = frozenset(
     {
         "connection",
@@ -164,7 +164,7 @@ class _Target:
 def _resolve(url: urllib.parse.SplitResult, *, allow_private: bool) -> _Target:
     """Resolve the URL's host once and apply the SSRF guard to every address it resolves to.
 
-    SSRF guard (DESIGN §6): unless `allow_private`, raise `PermanentTaskError` if ANY address
+    SSRF guard (design §6): unless `allow_private`, raise `PermanentTaskError` if ANY address
     is not a public unicast address (loopback, private, link-local, multicast, reserved,
     unspecified, shared, including their IPv4-mapped IPv6 forms). Refusing on any rather than
     filtering keeps a name that mixes public and internal records from being a coin toss. The
