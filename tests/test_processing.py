@@ -561,11 +561,13 @@ def test_one_lease_keeper_heartbeats_for_pass_after_pass(
     stolen: list[uuid.UUID] = []
 
     def thief() -> None:
+        # Takes back any lease that went stale (what another worker's sweep does); it does
+        # not claim, so it cannot race the passes for the tasks just added.
         with sessions() as session:
             while not done.wait(0.05):
-                taken = take_over(session, worker_id="thief:9", stale_after=stale)
+                expired = queue.expire_leases(session, stale_after=stale)
                 session.commit()
-                stolen.extend(t.id for t in taken)
+                stolen.extend(t.id for t in expired)
 
     competitor = threading.Thread(target=thief)
     competitor.start()
@@ -638,8 +640,8 @@ def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
 ) -> None:
     """A 30 s task with a 10 s stale window and 2 s heartbeats, time-scaled by 1/10.
 
-    A competitor claims every 50 ms with the same stale window throughout; the control at
-    the end shows it does take over a lease nobody refreshes.
+    A competitor sweeps every 50 ms with the same stale window throughout; the control at the
+    end shows a lease nobody refreshes is taken over.
     """
     stale, task_seconds, beat = 1.0, 3.0, 0.2
     register("long", lambda task: time.sleep(task_seconds))
@@ -649,11 +651,13 @@ def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
     stolen: list[uuid.UUID] = []
 
     def competitor() -> None:
+        # Takes back every lease that goes stale; it does not claim, so it cannot race the
+        # pass for the task before the pass has it.
         with sessions() as session:
             while not done.wait(0.05):
-                batch = take_over(session, worker_id="thief:9", stale_after=stale, batch_size=10)
+                expired = queue.expire_leases(session, stale_after=stale)
                 session.commit()
-                stolen.extend(t.id for t in batch)
+                stolen.extend(t.id for t in expired)
 
     thief = threading.Thread(target=competitor)
     thief.start()
