@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
+from db import queue
 from tests import supervisor_harness as harness
 from worker import cli
 
@@ -125,3 +126,31 @@ def test_sigterm_during_once_finishes_the_task_in_hand_and_hands_back_the_rest(
     assert status == 0, (tmp_path / "out.log").read_text()
     # The first task was in hand and completes; the two never started are pending again.
     assert harness.status_counts(fresh_engine) == {"completed": 1, "pending": 2}
+
+
+def test_once_reports_a_driver_error_in_the_claim_as_a_database_error(
+    tmp_path: Path, fresh_db_url: str, fresh_engine: Engine
+) -> None:
+    with fresh_engine.connect() as conn:
+        database = conn.execute(text("SELECT current_database()")).scalar_one()
+        # The worker's own statement_timeout (30 s) raises the same kind of error; a database
+        # level lock_timeout gets there in 300 ms (the worker's options do not override it).
+        conn.execute(text(f'ALTER DATABASE "{database}" SET lock_timeout = 300'))
+        conn.commit()
+    holder = fresh_engine.connect()
+    try:
+        # Another claimer that holds the claimers' lock for longer than the timeout.
+        holder.execute(text("SELECT pg_advisory_lock(:key)"), {"key": queue.CLAIM_LOCK_KEY})
+        holder.commit()
+        environment = {**os.environ, "PYTHONPATH": str(harness.ROOT), "DATABASE_URL": fresh_db_url}
+        done = subprocess.run(
+            [sys.executable, "-m", "worker", "--once"],
+            cwd=harness.ROOT, env=environment, capture_output=True, text=True,
+            stdin=subprocess.DEVNULL, timeout=60, check=False,
+        )  # fmt: skip
+    finally:
+        holder.close()
+
+    assert done.returncode == 1
+    assert "fairq worker: database error" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

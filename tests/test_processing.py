@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import multiprocessing
@@ -117,6 +118,30 @@ def take_over(
     """What another worker does: expire leases older than `stale_after`, then claim."""
     queue.expire_leases(session, stale_after=stale_after)
     return queue.claim(session, worker_id=worker_id, batch_size=batch_size)
+
+
+@contextlib.contextmanager
+def sweeping(sessions: sessionmaker[Session], stale_after: float) -> Iterator[list[uuid.UUID]]:
+    """Another worker's sweep every 50 ms while the body runs; yields the ids it took back.
+
+    It does not claim, so it cannot race a pass for a task before the pass has it.
+    """
+    done = threading.Event()
+    taken: list[uuid.UUID] = []
+
+    def sweep() -> None:
+        with sessions() as session:
+            while not done.wait(0.05):
+                taken.extend(t.id for t in queue.expire_leases(session, stale_after=stale_after))
+                session.commit()
+
+    thread = threading.Thread(target=sweep)
+    thread.start()
+    try:
+        yield taken
+    finally:
+        done.set()
+        thread.join()
 
 
 def run_pass(sessions: sessionmaker[Session] | Engine, **kw: Any) -> processing.PassResult:
@@ -557,29 +582,14 @@ def test_one_lease_keeper_heartbeats_for_pass_after_pass(
     register("long", lambda task: time.sleep(task_seconds))
     settings = processing.PassDefaults(stale_after=stale, heartbeat_interval=0.1)
     keeper = processing.LeaseKeeper()
-    done = threading.Event()
-    stolen: list[uuid.UUID] = []
-
-    def thief() -> None:
-        # Takes back any lease that went stale (what another worker's sweep does); it does
-        # not claim, so it cannot race the passes for the tasks just added.
-        with sessions() as session:
-            while not done.wait(0.05):
-                expired = queue.expire_leases(session, stale_after=stale)
-                session.commit()
-                stolen.extend(t.id for t in expired)
-
-    competitor = threading.Thread(target=thief)
-    competitor.start()
-    try:
-        for _ in range(2):
-            add_tasks(sessions, company, 1, "long")
-            result = run_pass(fresh_engine, settings=settings, keeper=keeper)
-            assert result == processing.PassResult(claimed=1, completed=1)
-    finally:
-        done.set()
-        competitor.join()
-        keeper.close()
+    with sweeping(sessions, stale) as stolen:
+        try:
+            for _ in range(2):
+                add_tasks(sessions, company, 1, "long")
+                result = run_pass(fresh_engine, settings=settings, keeper=keeper)
+                assert result == processing.PassResult(claimed=1, completed=1)
+        finally:
+            keeper.close()
     assert stolen == []
 
 
@@ -647,25 +657,8 @@ def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
     register("long", lambda task: time.sleep(task_seconds))
     [task_id] = add_tasks(sessions, company, 1, "long")
     settings = processing.PassDefaults(stale_after=stale, heartbeat_interval=beat)
-    done = threading.Event()
-    stolen: list[uuid.UUID] = []
-
-    def competitor() -> None:
-        # Takes back every lease that goes stale; it does not claim, so it cannot race the
-        # pass for the task before the pass has it.
-        with sessions() as session:
-            while not done.wait(0.05):
-                expired = queue.expire_leases(session, stale_after=stale)
-                session.commit()
-                stolen.extend(t.id for t in expired)
-
-    thief = threading.Thread(target=competitor)
-    thief.start()
-    try:
+    with sweeping(sessions, stale) as stolen:
         result = run_pass(sessions, settings=settings)
-    finally:
-        done.set()
-        thief.join()
 
     assert stolen == []
     assert result == processing.PassResult(claimed=1, completed=1)
@@ -783,3 +776,92 @@ def test_post_workers_process_needs_the_admin_token(
     response = client.post("/workers/process", headers=company.headers)
     assert response.status_code == 401
     assert response.headers["WWW-Authenticate"].startswith("Bearer")
+
+
+# application_name of the engine whose connections a test kills (and nothing else's).
+HELD = "fairq-test-held"
+
+
+@pytest.fixture
+def worker_engine(fresh_db_url: str) -> Iterator[Engine]:
+    """An engine like a worker child's (a real pool, pre-ping), with its own application_name."""
+    engine = make_engine(
+        fresh_db_url,
+        application_name=HELD,
+        statement_timeout_ms=processing.WORKER_STATEMENT_TIMEOUT_MS,
+    )
+    yield engine
+    engine.dispose()
+
+
+def test_a_retry_is_written_when_the_held_connection_died_during_the_handler(
+    sessions: sessionmaker[Session],
+    company: uuid.UUID,
+    worker_engine: Engine,
+    fresh_engine: Engine,
+    register: Register,
+) -> None:
+    def connection_dies_then_handler_fails(task: TaskContext) -> None:
+        # What a PostgreSQL restart does to the pass's idle connection while a handler runs.
+        with fresh_engine.connect() as conn:
+            conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity "
+                    "WHERE application_name = :name AND datname = current_database()"
+                ),
+                {"name": HELD},
+            )
+            conn.commit()
+        raise RuntimeError("webhook target answered 502")
+
+    register("flaky", connection_dies_then_handler_fails)
+    [task_id] = add_tasks(sessions, company, 1, "flaky")
+    keeper = processing.LeaseKeeper()
+    try:
+        result = processing.process_batch(
+            worker_engine, worker_id="test:1", owed=processing.Owed(), keeper=keeper
+        )
+    finally:
+        keeper.close()
+
+    assert result == processing.PassResult(claimed=1, retried=1)
+    [stored] = rows(sessions, [task_id])
+    assert (stored["status"], stored["attempts"]) == ("pending", 1)
+    assert stored["last_error"] == "RuntimeError: webhook target answered 502"
+
+
+def test_a_sweep_that_hit_its_limit_sweeps_again_on_the_next_pass(
+    sessions: sessionmaker[Session],
+    company: uuid.UUID,
+    worker_engine: Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with sessions() as session:
+        ids = insert_tasks(session, company, 3, task_type="noop")
+        session.execute(
+            text(
+                "UPDATE tasks SET status = 'processing', attempts = 1, "
+                "lease_token = gen_random_uuid(), locked_by = 'dead:1', "
+                "locked_at = now() - interval '1 hour', started_at = now() - interval '1 hour' "
+                "WHERE id = ANY(:ids)"
+            ),
+            {"ids": ids},
+        )
+        session.commit()
+    monkeypatch.setattr(processing, "SWEEP_LIMIT", 2)  # stands for 1000
+    schedule = processing.SweepSchedule(interval=3600)
+    settings = processing.PassDefaults(batch_size=1)
+
+    first = processing.process_batch(
+        worker_engine, worker_id="test:1", settings=settings, sweep=schedule
+    )
+    second = processing.process_batch(
+        worker_engine, worker_id="test:1", settings=settings, sweep=schedule
+    )
+
+    assert (first.claimed, second.claimed) == (1, 1)
+    with sessions() as session:
+        still_dead = session.execute(
+            text("SELECT count(*) FROM tasks WHERE locked_by = 'dead:1'")
+        ).scalar_one()
+    assert still_dead == 0

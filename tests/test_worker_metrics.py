@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -123,6 +124,7 @@ def test_every_task_type_has_its_series_at_zero_before_its_first_event() -> None
         [0.0001] * 100,
         [0.0, 0.001, 0.0011, 0.005, 0.7, 2.5, 299.0, 300.0, 301.0, 1e9],
         [0.02, 0.003, 0.02, 0.5, 0.003],
+        [0.002, math.nan],  # a NaN is in no bucket
     ],
 )
 def test_observe_all_exposes_what_one_observe_per_amount_does(amounts: list[float]) -> None:
@@ -154,7 +156,9 @@ def test_observe_all_exposes_what_one_observe_per_amount_does(amounts: list[floa
         line for i, line in enumerate(expected) if i not in sums
     ]
     for i in sums:
-        assert float(got[i].split()[-1]) == pytest.approx(float(expected[i].split()[-1]))
+        assert float(got[i].split()[-1]) == pytest.approx(
+            float(expected[i].split()[-1]), nan_ok=True
+        )
 
 
 def test_completions_reported_per_batch_count_each_task() -> None:
