@@ -505,15 +505,13 @@ def _claim(
         batch.extend(claimed)
         if len(claimed) == sum(allocation.tasks):
             break
+        # Fewer than allocated: some companies had less runnable work than their share.
         got = collections.Counter(task.company_id for task in claimed)
-        short = [
+        exhausted.extend(
             contenders[i].company_id
             for i in allocation.served()
             if got[contenders[i].company_id] < allocation.tasks[i]
-        ]
-        if not short:
-            break
-        exhausted.extend(short)
+        )
     if exhausted:
         _settle(connection, exhausted)
     return batch
@@ -535,12 +533,16 @@ def claim_parameters(worker_id: str, allocation: fair_share.Allocation) -> dict[
     }
 
 
-def _driver(session: Session) -> psycopg.Connection[Any]:
-    # The claim's statements go to psycopg directly, in the session's transaction: its rows
-    # need no ORM, and SQLAlchemy's per-statement work was a fifth of the claim's time.
+def _driver(session: Session, *, transaction: bool = True) -> psycopg.Connection[Any]:
+    """The session's psycopg connection, for the statements a worker runs per batch.
+
+    The claim and the completions go to psycopg directly, in the session's transaction:
+    their rows need no ORM, and SQLAlchemy's per-statement work was a fifth of the claim's
+    time. `transaction`: refuse a connection in autocommit.
+    """
     driver = session.connection().connection.driver_connection
     assert isinstance(driver, psycopg.Connection)
-    if driver.autocommit:
+    if transaction and driver.autocommit:
         # Each statement would be a transaction of its own: the claimers' lock and the
         # pinned plan would end with the first one.
         raise RuntimeError("the claim needs a transaction; the connection is in autocommit")
@@ -731,9 +733,8 @@ def complete_tasks(session: Session, leases: Sequence[Lease]) -> set[uuid.UUID]:
     """
     if not leases:
         return set()
-    driver = session.connection().connection.driver_connection
-    assert isinstance(driver, psycopg.Connection)
     with _driver_errors("complete_tasks"):
+        driver = _driver(session, transaction=False)
         return {row[0] for row in driver.execute(_COMPLETE, _unzip(leases))}
 
 

@@ -13,21 +13,14 @@ instead of one commit per task. The pass writes the rest when its batch ends. Ev
 call of the pass is serialized by one lock, so a session factory bound to a single connection
 (tests, and the pass's own connection below) is safe too.
 
-Round trips per batch, for a caller that runs pass after pass (a worker child; the profile of
-a child draining noop tasks found a pool checkout with its ping per transaction, BEGIN and
-COMMIT round trips, a sweep before every claim, and a thread started per batch):
+For a caller that runs pass after pass (a worker child; docs/decisions/0003):
 
-- given an engine, a pass holds one connection from start to end (one checkout, so one
-  `pool_pre_ping`, per pass) and runs every single-statement write (sweep, heartbeat,
-  completion, failure, retry, release) in autocommit: one round trip each, where a
-  transaction of its own costs BEGIN, the statement and COMMIT. Only the claim, several
-  statements under one advisory lock, runs in a transaction;
+- given an engine, a pass holds one connection from start to end and runs every
+  single-statement write (sweep, heartbeat, completion, failure, retry, release) in
+  autocommit; only the claim, several statements under one advisory lock, runs in a
+  transaction;
 - a `SweepSchedule` sweeps expired leases every few seconds instead of before every claim;
 - a `LeaseKeeper` given by the caller serves every pass, instead of a thread per pass.
-
-Not done: writing a batch's completions in the next claim's transaction (one commit fewer)
-measured 10% slower, since the claimers' advisory lock is then held while that commit
-flushes more.
 
 A pass that ends on a database error still owes the database the completions it could not
 write and the release of the tasks it never started. Dropped, those tasks would wait out
