@@ -9,11 +9,11 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: help run test lint typecheck migrations-check pytest clean
+.PHONY: help run test lint typecheck pytest clean
 
 help:
 	@echo "make run    start PostgreSQL (embedded unless DATABASE_URL), migrations, API on :8000, worker"
-	@echo "make test   ruff, ruff format --check, mypy, import contracts, alembic check, pytest"
+	@echo "make test   ruff, ruff format --check, mypy, import contracts, pytest with coverage"
 	@echo "make clean  remove the virtualenv and local data (.venv, .pgdata, .run)"
 
 $(BIN)/python:
@@ -31,7 +31,7 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	@touch $@ $(VENV)/.installed-run
 
 run: $(VENV)/.installed-run
-	$(BIN)/python scripts/run_local.py
+	$(BIN)/python -m scripts.run_local
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
@@ -41,13 +41,11 @@ typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-migrations-check: $(VENV)/.installed-dev
-	$(BIN)/python -m tests.check_migrations
-
+# Coverage of api, worker and db, counting the processes the tests start ([tool.coverage]).
 pytest: $(VENV)/.installed-dev
-	$(BIN)/pytest
+	$(BIN)/pytest --cov --cov-report=term-missing:skip-covered
 
-test: lint typecheck migrations-check pytest
+test: lint typecheck pytest
 
 clean:
-	rm -rf $(VENV) .pgdata .run .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .pgdata .run .mypy_cache .ruff_cache .pytest_cache .coverage .coverage.*

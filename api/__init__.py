@@ -14,7 +14,7 @@ __all__ = ["create_app"]
 def create_app(settings: ApiSettings | None = None) -> Flask:
     """Build the WSGI app from `settings` (default: `ApiSettings.from_env()`).
 
-    Raises `worker.settings.SettingsError` naming the variable when the environment is invalid.
+    Raises `worker.environment.SettingsError` naming the variable when the environment is invalid.
     """
     from api.companies.routes import blp as companies_blp  # noqa: PLC0415
     from api.system.routes import blp as system_blp  # noqa: PLC0415
@@ -37,6 +37,8 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
             "info": {"description": "Multi-tenant task queue with fair, lock-safe claiming."},
             "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
             "security": [{"bearer": []}],
+            # Relative: the server that serves this document (make run: http://localhost:8000).
+            "servers": [{"url": "/", "description": "This server"}],
         },
     )
     api_logging.init_app(app, level=settings.log_level, fmt=settings.log_format)

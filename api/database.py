@@ -45,14 +45,9 @@ def init_app(app: Flask, database_url: str) -> None:
 
 
 def engine_of(app: Flask) -> Engine:
-    """The engine of `app`."""
+    """The pooled engine of `app` (views reach it through `session()`)."""
     pair: tuple[Engine, sessionmaker[Session]] = app.extensions[_EXT]
     return pair[0]
-
-
-def engine() -> Engine:
-    """The current app's engine."""
-    return engine_of(current_app)
 
 
 def probe_engine_of(app: Flask) -> Engine:

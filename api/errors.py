@@ -9,6 +9,7 @@ from typing import Any
 
 from flask import Flask, current_app
 from flask_smorest import Api
+from marshmallow import Schema, fields
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError
 from werkzeug.exceptions import HTTPException
 
@@ -47,8 +48,33 @@ _DOMAIN_STATUS: tuple[tuple[type[db_errors.DomainError], int], ...] = (
 )
 
 
+class ErrorSchema(Schema):
+    """The body of every error response (design §3); `Error` in the OpenAPI document."""
+
+    code = fields.Integer(required=True, metadata={"description": "The HTTP status code."})
+    status = fields.String(
+        required=True, metadata={"description": "The status's reason phrase, e.g. `Not Found`."}
+    )
+    message = fields.String(
+        required=True, metadata={"description": "What went wrong, naming the field if one did."}
+    )
+    errors = fields.Dict(
+        metadata={
+            "description": "Validation errors only (422): location -> field -> messages, "
+            'e.g. `{"json": {"type": ["Unknown task type."]}}`.'
+        }
+    )
+
+
 class FairqApi(Api):  # type: ignore[misc]  # flask-smorest ships no type hints
     """flask-smorest's Api whose error bodies always carry a `message`."""
+
+    ERROR_SCHEMA = ErrorSchema
+
+    def _register_pagination_header(self) -> None:
+        # flask-smorest's pagination is not used (list endpoints page by limit/offset in the
+        # body): its header would publish an unused `PaginationMetadata` component.
+        return
 
     def handle_http_exception(self, error: HTTPException) -> tuple[dict[str, Any], int, Any]:
         """Like flask-smorest's handler, plus a message for errors raised without one."""

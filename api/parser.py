@@ -25,6 +25,8 @@ from webargs.flaskparser import FlaskParser, is_json_request
 from werkzeug.exceptions import ClientDisconnected, HTTPException
 from werkzeug.wsgi import get_input_stream
 
+from api.errors import ErrorSchema
+
 log = logging.getLogger("fairq.api.parser")
 
 # A \uD800-\uDFFF escape. json.loads turns an unpaired one into a lone surrogate, which UTF-8
@@ -216,3 +218,7 @@ class Blueprint(flask_smorest.Blueprint):  # type: ignore[misc]  # untyped libra
     """flask-smorest Blueprint using `StrictJsonParser` for every argument."""
 
     ARGUMENTS_PARSER = StrictJsonParser()
+
+    def error(self, status: int, description: str) -> Any:
+        """Document an error `status` of an operation, with the error body's schema."""
+        return self.alt_response(status, schema=ErrorSchema, description=description)

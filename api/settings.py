@@ -1,4 +1,9 @@
-"""API settings: the only place the API process reads the environment (design §8)."""
+"""API settings: the only place the API process reads the environment (design §8).
+
+Built on the same parsers as the worker's (`worker.environment`), which also read, with their
+one default, the variables the two share: `DATABASE_URL`, logging, the stale window, the
+notify channel and the handlers' settings.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,17 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from worker.settings import (
+from worker.environment import (
+    DEFAULT_LOG_FORMAT,
+    DEFAULT_LOG_LEVEL,
+    DEFAULT_NOTIFY_CHANNEL,
+    DEFAULT_STALE_AFTER_SECONDS,
     SettingsError,
-    env_float,
+    env_handler_config,
     env_logging,
-    env_str,
+    env_notify_channel,
+    env_stale_after,
     env_url,
-    handler_config_from_env,
 )
 from worker.tasktypes.base import HandlerConfig
 
@@ -32,13 +41,13 @@ class ApiSettings:
 
     database_url: str
     admin_token: str | None = None
-    notify_channel: str = "fairq_tasks"
+    notify_channel: str = DEFAULT_NOTIFY_CHANNEL
     ready_timeout_ms: int = 1000
     max_body_bytes: int = 1024 * 1024
-    stale_after_seconds: float = 300.0
+    stale_after_seconds: float = DEFAULT_STALE_AFTER_SECONDS
     metrics_multiprocess: bool = False
-    log_level: str = "INFO"
-    log_format: str = "text"
+    log_level: str = DEFAULT_LOG_LEVEL
+    log_format: str = DEFAULT_LOG_FORMAT
     handler_config: HandlerConfig = field(default_factory=HandlerConfig)
 
     @classmethod
@@ -56,10 +65,10 @@ class ApiSettings:
         return cls(
             database_url=env_url(env),
             admin_token=token,
-            notify_channel=env_str(env, "NOTIFY_CHANNEL", "fairq_tasks"),
-            stale_after_seconds=env_float(env, "STALE_AFTER_SECONDS", 300.0, minimum=1.0),
+            notify_channel=env_notify_channel(env),
+            stale_after_seconds=env_stale_after(env),
             metrics_multiprocess=bool(env.get("PROMETHEUS_MULTIPROC_DIR", "").strip()),
             log_level=log_level,
             log_format=log_format,
-            handler_config=handler_config_from_env(env),
+            handler_config=env_handler_config(env),
         )

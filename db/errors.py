@@ -1,6 +1,10 @@
-"""Domain errors raised by `db` functions; `api/errors.py` maps them to HTTP responses."""
+"""Errors of the storage layer: the domain errors `db` functions raise on purpose, which
+`api/errors.py` maps to HTTP responses, and `brief`, the one-line summary of a driver error.
+"""
 
 from __future__ import annotations
+
+from sqlalchemy.exc import DBAPIError
 
 
 class DomainError(Exception):
@@ -20,3 +24,19 @@ class IdempotencyKeyReused(DomainError):
 
     IETF draft-ietf-httpapi-idempotency-key-header, section 2.7 ("Error Scenarios").
     """
+
+
+def brief(exc: BaseException) -> str:
+    """Summarize a database error in one line for a log: the driver's class and first line.
+
+    A SQLAlchemy `DBAPIError` is unwrapped to the driver's error (its own text appends the
+    statement). Only the primary message, never the DETAIL or CONTEXT lines nor the
+    parameters: they can quote the data that was written (a check violation's DETAIL shows
+    the whole row, payload included). Any other exception gets the first line of its text.
+    """
+    inner = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    primary = getattr(getattr(inner, "diag", None), "message_primary", None)
+    if not primary:
+        lines = str(inner).strip().splitlines()
+        primary = lines[0] if lines else ""
+    return f"{type(inner).__name__}: {primary}"

@@ -51,13 +51,11 @@ class TaskStatus(enum.StrEnum):
 TERMINAL_STATUSES = (TaskStatus.COMPLETED, TaskStatus.FAILED, TaskStatus.CANCELLED)
 
 # Constraint and index names, used as constants when translating driver errors.
-UQ_COMPANY_API_KEY_HASH = "uq_companies_api_key_hash"
 UQ_TASK_IDEMPOTENCY_KEY = "uq_tasks_idempotency_key"
 FK_TASK_COMPANY = "fk_tasks_company_id_companies"
 CK_TASK_STATUS = "ck_tasks_status"
 CK_TASK_MAX_ATTEMPTS = "ck_tasks_max_attempts_range"
 CK_TASK_PAYLOAD_OBJECT = "ck_tasks_payload_is_object"
-CK_TASK_ATTEMPTS = "ck_tasks_attempts_non_negative"
 CK_COMPANY_WEIGHT = "ck_companies_weight_range"
 CK_COMPANY_MAX_IN_FLIGHT = "ck_companies_max_in_flight_range"
 
@@ -212,8 +210,8 @@ class Task(Base):
         # start and stops after the company's share, so rows scheduled or backed off into the
         # future are never visited however many there are. `id` is a key column, not INCLUDE:
         # it breaks ties in run_after in index order (a bulk insert shares one now()). Also
-        # the settle's earliest pending run_after, the queue collector's oldest-eligible
-        # gauge (one probe per company) and its capped pending count (api/metrics.py).
+        # the settle's earliest pending run_after, the queue gauges' oldest eligible task
+        # (one probe per company) and their capped pending count (db/statistics.py).
         Index(
             "ix_tasks_pending_company_run_after",
             "company_id",
@@ -231,7 +229,7 @@ class Task(Base):
             postgresql_where=text("status = 'processing'"),
         ),
         # The lease-expiry sweep (expire_leases) looks for stale processing rows across all
-        # companies; also the collector's capped processing count.
+        # companies; also the queue gauges' capped processing count (db/statistics.py).
         Index(
             "ix_tasks_processing_locked_at",
             "locked_at",

@@ -7,18 +7,11 @@ GUNICORN_ACCESSLOG, ...).
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
+from pathlib import Path
 
-# Multiprocess metrics need a directory shared by every gunicorn worker, set before any of
-# them imports prometheus_client (docs/stack-notes.md); without one, /metrics would show whichever
-# worker answered. The entrypoint or the operator may choose it; else a fresh one per run,
-# created only then (not as setdefault's argument, which ran on every start and left an
-# empty directory behind) and removed when the master exits.
-_OWN_METRICS_DIR: str | None = None
-if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    _OWN_METRICS_DIR = tempfile.mkdtemp(prefix="fairq-api-metrics-")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = _OWN_METRICS_DIR
+# Imports nothing of prometheus_client: the master must not, before `on_starting` has set the
+# metrics directory its workers inherit (worker/metrics_dir.py).
+from worker import metrics_dir
 
 bind = os.environ.get("GUNICORN_BIND", "0.0.0.0:8000")
 workers = int(os.environ.get("GUNICORN_WORKERS", "2"))
@@ -41,30 +34,25 @@ control_socket_disable = True
 
 
 def on_starting(server: object) -> None:
-    """Empty the metrics directory before any worker writes to it.
+    """Prepare the workers' shared metrics directory: created, emptied, exported.
 
-    Counters would otherwise carry over from the previous run (docs/stack-notes.md). Only the master
-    runs this, before forking; `prometheus_client` is not imported here on purpose.
+    Multiprocess metrics need one directory for every worker, else /metrics would show
+    whichever worker answered (docs/stack-notes.md). The operator's `PROMETHEUS_MULTIPROC_DIR`,
+    or a temporary one for this run. Only the master runs this, once, before it forks (a HUP
+    re-reads this file but does not run it again, so live counters are not wiped).
     """
-    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if not directory:
-        return
-    os.makedirs(directory, exist_ok=True)
-    for name in os.listdir(directory):
-        if name.endswith(".db"):
-            os.remove(os.path.join(directory, name))
+    configured = os.environ.get(metrics_dir.ENV_VAR)
+    metrics_dir.prepare(Path(configured) if configured else None, prefix="fairq-api-metrics-")
 
 
 def on_exit(server: object) -> None:
-    """Remove the metrics directory this file created (an operator's stays)."""
-    if _OWN_METRICS_DIR is not None:
-        shutil.rmtree(_OWN_METRICS_DIR, ignore_errors=True)
+    """Remove the temporary metrics directory, if `on_starting` made one (an operator's stays)."""
+    metrics_dir.remove_temporary()
 
 
 def child_exit(server: object, worker: object) -> None:
     """Drop a dead worker's live gauges from the aggregated view."""
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        # Imported lazily: the variable must be set before prometheus_client is first imported.
-        from prometheus_client import multiprocess  # noqa: PLC0415
+    # Imported here, not at the top: see the import of metrics_dir.
+    from prometheus_client import multiprocess  # noqa: PLC0415
 
-        multiprocess.mark_process_dead(worker.pid)  # type: ignore[attr-defined,no-untyped-call]
+    multiprocess.mark_process_dead(worker.pid)  # type: ignore[attr-defined,no-untyped-call]

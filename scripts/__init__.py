@@ -1,1 +1,5 @@
-"""Operational scripts: local runner and benchmarks (run as files, see each docstring)."""
+"""Operational scripts: the local runner and benchmarks.
+
+Run each as a module from the repository root, e.g. `.venv/bin/python -m scripts.bench_claim`
+(see each module's docstring). What scripts share with the tests lives in `devtools`.
+"""

@@ -13,7 +13,7 @@ Variants, each claiming a batch of 100 in a transaction that is rolled back afte
 - floor: lock (`FOR UPDATE SKIP LOCKED`) and update the 100 ids ours picks, with the SET
   list of our claim, in one statement sent straight to psycopg: the cost of the write alone.
 
-Shapes (`scripts/perf_seed.py`: `--rows` pending noop tasks spread evenly over the companies
+Shapes (`scripts.perf_seed`: `--rows` pending noop tasks spread evenly over the companies
 with work, `--delayed-fraction` of them runnable only tomorrow, every company with runnable
 work made ready by the claim itself): 1 company; 50 companies, all with work; 2,000, all
 with work; 20,000 registered, 200 with work; 20,000, all with work. `--companies N --active
@@ -48,8 +48,8 @@ parameters it used (unprepared: planning time included), and of the previous cla
 each prepared statement's count of generic and custom plans. Timings are printed, never
 asserted; a failed check makes the exit status 1.
 
-Usage:
-    PYTHONPATH=. .venv/bin/python scripts/bench_claim.py [--companies N --active M]
+Usage (from the repository root):
+    .venv/bin/python -m scripts.bench_claim [--companies N --active M]
         [--rows 100000] [--million] [--delayed-fraction 0.2] [--runs 11] [--warmup 10]
         [--replan] [--reuse] [--explain] [--seed 42] [--stale-statistics [--burst 500000]]
         [--database-url postgresql+psycopg://postgres@127.0.0.1:5432/fairq_bench]
@@ -60,14 +60,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar, Self
 
 import psycopg
@@ -75,11 +73,9 @@ from psycopg.abc import Params, Query
 from sqlalchemy import Engine, TextClause, event, text
 from sqlalchemy.orm import Session
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from db import queue  # noqa: E402  (needs the repository on sys.path)
-from scripts import perf_seed, stack  # noqa: E402
+from db import queue
+from devtools import stack
+from scripts import perf_seed
 
 BATCH = 100
 WORKER = "bench:0"
@@ -594,7 +590,10 @@ def shape_label(shape: perf_seed.Shape) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line of this script."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.bench_claim",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+    )
     parser.add_argument("--companies", type=int, metavar="N", help="registered companies")
     parser.add_argument("--active", type=int, metavar="M", help="companies with work")
     perf_seed.add_shape_arguments(parser)

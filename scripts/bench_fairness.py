@@ -49,8 +49,8 @@ and by the drain, takes about 10 minutes per side. Everything listens on 127.0.0
 wait is bounded by `--timeout` (unfinished tasks are reported, not waited for; the exit
 status is then 1), and every process started is stopped at the end.
 
-Usage:
-    .venv/bin/python scripts/bench_fairness.py [--quick] [--flood 50000] [--quiet 200]
+Usage (from the repository root):
+    .venv/bin/python -m scripts.bench_fairness [--quick] [--flood 50000] [--quiet 200]
         [--quiet-rate 20] [--flood-sleep 0.02] [--flood-clients 8] [--flood-rate 0]
         [--share-backlog 3000] [--share-window 3000] [--children 2] [--batch-size 100] [--runs 1]
         [--sides fairq,oldest-first] [--timeout 900] [--log-level WARNING]
@@ -82,10 +82,8 @@ import requests
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from scripts import load, stack  # noqa: E402  (needs the repository on sys.path)
+from devtools import stack
+from scripts import load
 
 FAIRQ = "fairq"
 OLDEST_FIRST = "oldest-first"
@@ -915,6 +913,7 @@ def format_table(results: dict[str, list[SideResult]]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
     parser = argparse.ArgumentParser(
+        prog="python -m scripts.bench_fairness",
         description=(__doc__ or "").split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

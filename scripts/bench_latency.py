@@ -10,8 +10,8 @@ commit are included). Prints p50/p95/p99 per run and the median of each over `--
 PostgreSQL: `--database-url`, else an embedded PostgreSQL 16 with its data in
 `.pgdata/bench-latency`, stopped at the end.
 
-Usage:
-    PYTHONPATH=. .venv/bin/python scripts/bench_latency.py [--runs 3] [--seconds 10]
+Usage (from the repository root):
+    .venv/bin/python -m scripts.bench_latency [--runs 3] [--seconds 10]
         [--interval 0.02] [--database-url postgresql+psycopg://...]
 """
 
@@ -28,11 +28,8 @@ from pathlib import Path
 import requests
 from sqlalchemy import Engine, text
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from scripts import bench_throughput as common  # noqa: E402  (needs the repository on sys.path)
-from scripts import stack  # noqa: E402
+from devtools import stack
+from scripts import bench_throughput as common
 
 PERCENTILES = (0.5, 0.95, 0.99)
 
@@ -115,7 +112,9 @@ def latencies_ms(engine: Engine, ids: list[str]) -> list[float]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.bench_latency", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--interval", type=float, default=0.02)

@@ -23,8 +23,8 @@ PostgreSQL: `--database-url`, else an embedded PostgreSQL 16 with its data in
 `--fast-commit`), stopped at the end. pgqueuer talks to it through asyncpg, its fastest
 driver (`--pgqueuer-driver psycopg` for the psycopg one).
 
-Usage:
-    PYTHONPATH=. .venv/bin/python scripts/bench_throughput.py [--tasks 20000]
+Usage (from the repository root):
+    .venv/bin/python -m scripts.bench_throughput [--tasks 20000]
         [--companies 1,50,2000] [--runs 3] [--concurrency 2] [--batch-size 100]
         [--log-level WARNING] [--log-format text] [--no-pgqueuer] [--fast-commit]
         [--database-url postgresql+psycopg://postgres@127.0.0.1:5432/fairq_bench]
@@ -51,10 +51,9 @@ from typing import TYPE_CHECKING
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from devtools import stack
 
-from scripts import stack  # noqa: E402  (needs the repository on sys.path)
+ROOT = Path(__file__).resolve().parent.parent
 
 if TYPE_CHECKING:
     from pgqueuer import Queries
@@ -391,7 +390,7 @@ def run_pgqueuer_once(
     asyncio.run(_pgqueuer_seed(dsn, args.pgqueuer_driver, args.tasks))
     workdir.mkdir(parents=True, exist_ok=True)
     argv = [
-        sys.executable, str(Path(__file__).resolve()), "--pgqueuer-worker",
+        sys.executable, "-m", "scripts.bench_throughput", "--pgqueuer-worker",
         "--pgqueuer-driver", args.pgqueuer_driver, "--batch-size", str(args.batch_size),
         "--database-url", url,
     ]  # fmt: skip
@@ -513,7 +512,9 @@ def summarize(
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.bench_throughput", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--tasks", type=int, default=20_000)
     parser.add_argument(
         "--companies", default="1,50,2000",

@@ -18,8 +18,8 @@ every non-2xx answer by endpoint and status, the CPU each part used (from /proc)
 tasks completed, side by side. Client threads share the machine with the server: on a
 small box the numbers describe the whole system, not the API alone (the header says so).
 
-Usage:
-    .venv/bin/python scripts/load.py [--clients 16] [--seconds 30] [--warmup 3]
+Usage (from the repository root):
+    .venv/bin/python -m scripts.load [--clients 16] [--seconds 30] [--warmup 3]
         [--companies 20] [--children 2] [--database-url postgresql+psycopg://...]
 """
 
@@ -43,10 +43,9 @@ from pathlib import Path
 import requests
 from sqlalchemy import Engine, text
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from devtools import stack
 
-from scripts import stack  # noqa: E402  (needs the repository on sys.path)
+ROOT = Path(__file__).resolve().parent.parent
 
 CREATE = "POST /companies/{company_id}/tasks"
 READ = "GET /companies/{company_id}/tasks/{task_id}"
@@ -383,6 +382,7 @@ def format_report(header: str, results: list[PhaseResult]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
     parser = argparse.ArgumentParser(
+        prog="python -m scripts.load",
         description=(__doc__ or "").split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

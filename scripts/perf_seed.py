@@ -35,8 +35,8 @@ migrated (`--reuse` in `bench_claim` would otherwise time a stale schema).
 Timestamps are relative to the database clock at seeding time, so a seed older than a day
 has delayed rows coming due: `reusable` refuses it.
 
-Usage:
-    PYTHONPATH=. .venv/bin/python scripts/perf_seed.py [--companies 50] [--active 50]
+Usage (from the repository root):
+    .venv/bin/python -m scripts.perf_seed [--companies 50] [--active 50]
         [--rows 100000] [--delayed-fraction 0.2] [--seed 42]
         [--database-url postgresql+psycopg://postgres@127.0.0.1:5432/fairq_bench]
 
@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,12 +58,11 @@ from pathlib import Path
 from sqlalchemy import Connection, Engine, pool, text
 from sqlalchemy.orm import Session
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from db import queue
+from db.engine import make_engine
+from devtools import stack
 
-from db import queue  # noqa: E402  (needs ROOT on sys.path)
-from db.engine import make_engine  # noqa: E402
-from scripts import stack  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # The worker id of the claims that promote the seeded companies (module docstring).
 CATCH_UP_WORKER = "perf-seed:catch-up"
@@ -356,7 +354,9 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line of this script."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.perf_seed", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     parser.add_argument("--companies", type=int, default=50, help="registered (default 50)")
     parser.add_argument("--active", type=int, default=50, help="with work (default 50)")
     add_shape_arguments(parser)

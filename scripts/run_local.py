@@ -4,6 +4,9 @@
 PostgreSQL 16 with its data in `.pgdata/dev`. The admin token comes from `ADMIN_TOKEN`, else
 one is generated once and kept in `.run/admin_token`. Ctrl-C (or SIGTERM) stops everything
 gracefully: TERM to the API and the worker, then the embedded server.
+
+Usage (from the repository root; `make run` installs the virtualenv first):
+    .venv/bin/python -m scripts.run_local [--port 8000] [--no-worker]
 """
 
 from __future__ import annotations
@@ -20,11 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from devtools.embedded_postgres import EmbeddedPostgres
+from devtools.stack import ensure_database
 
-from db.embedded import EmbeddedPostgres  # noqa: E402  (needs the repository on sys.path)
-from scripts.stack import ensure_database  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 EMBEDDED_PORT = 54329
 RUN_DIR = ROOT / ".run"
@@ -88,7 +90,9 @@ def start_database() -> tuple[EmbeddedPostgres | None, str] | None:
 
 def main() -> int:
     """Run until interrupted; return the exit status."""
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.run_local", description=(__doc__ or "").split("\n\nUsage")[0]
+    )
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
     parser.add_argument("--no-worker", action="store_true", help="start only the API")
     args = parser.parse_args()
@@ -105,7 +109,6 @@ def main() -> int:
         "DATABASE_URL": database_url,
         "ADMIN_TOKEN": token,
         "GUNICORN_BIND": os.environ.get("GUNICORN_BIND", f"127.0.0.1:{args.port}"),
-        "PYTHONPATH": str(ROOT),
     }
     py = sys.executable
     subprocess.run([py, "-m", "alembic", "upgrade", "head"], cwd=ROOT, env=env, check=True)

@@ -6,22 +6,31 @@
 - `client`: the Flask test client whose sessions join that same transaction.
 - `fresh_db_url`: a new database copied from the migrated template, for tests whose threads
   or processes must see each other's commits.
+- `supervisor`: starts `python -m worker` on that database (`tests/supervisor_harness.py`).
+
+Test data (`make_company`, `company`, `insert_tasks`, ...) comes from `tests/factories.py`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 from sqlalchemy import Connection, Engine, pool
 from sqlalchemy.orm import Session, sessionmaker
+from werkzeug.serving import make_server
 
-from api import create_app
+from api import create_app, database
 from api.settings import ApiSettings
 from db.engine import make_engine
 from tests import pg
+from tests import supervisor_harness as harness
+from tests.supervisor_harness import StartSupervisor
 
 pytest_plugins = ["tests.factories"]
 
@@ -93,8 +102,7 @@ def shared_app(main_db_url: str) -> Iterator[Flask]:
     yield app
     from api import database
 
-    with app.app_context():
-        database.engine().dispose()
+    database.engine_of(app).dispose()
 
 
 @pytest.fixture
@@ -115,6 +123,29 @@ def client(app: Flask) -> FlaskClient:
     return app.test_client()
 
 
+@contextlib.contextmanager
+def serve_app(database_url: str) -> Iterator[int]:
+    """Run the app on `database_url` in a real threaded HTTP server; yield its port."""
+    app = make_test_app(database_url)
+    http = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=http.serve_forever, name="live-api", daemon=True)
+    thread.start()
+    try:
+        yield http.server_port
+    finally:
+        http.shutdown()
+        thread.join(timeout=10)
+        http.server_close()
+        database.engine_of(app).dispose()
+
+
+@pytest.fixture(scope="module")
+def live_api_port(main_db_url: str) -> Iterator[int]:
+    """Port of a real HTTP server on the shared database: for tests that only read from it."""
+    with serve_app(main_db_url) as port:
+        yield port
+
+
 @pytest.fixture
 def fresh_db_url(server: pg.TestServer) -> Iterator[str]:
     """URL of a new database copied from the migrated template, dropped after the test."""
@@ -129,6 +160,15 @@ def fresh_engine(fresh_db_url: str) -> Iterator[Engine]:
     eng = make_engine(fresh_db_url, application_name="fairq-tests", poolclass=pool.NullPool)
     yield eng
     eng.dispose()
+
+
+@pytest.fixture
+def supervisor(tmp_path: Path, fresh_db_url: str) -> Iterator[StartSupervisor]:
+    """`supervisor(*flags, **env)` runs `python -m worker` on the fresh database.
+
+    Every supervisor and child it started is killed at teardown if still alive.
+    """
+    yield from harness.supervisors(tmp_path, fresh_db_url)
 
 
 @pytest.fixture

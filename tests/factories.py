@@ -1,20 +1,24 @@
-"""Test data builders: fixtures returning functions with overridable defaults.
+"""Test data: plain builders (`insert_*`) and fixtures on top of them; loaded by conftest.
 
-Layered: `make_company` -> `make_task` (a row, any state) -> `created_task` (through the API).
+Layered: `make_company` -> `company` and `make_task` (a row, any state) -> `created_task`
+(through the API), all on the test's rolled-back session; `fresh_company_id` on the fresh
+database that threads and processes see. `insert_company` and `insert_tasks` write to any
+`Target`, so process tests share them.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from flask.testing import FlaskClient
-from sqlalchemy import func, insert, select, text
-from sqlalchemy.orm import Session
+from sqlalchemy import Engine, func, insert, select, text
+from sqlalchemy.orm import Session, sessionmaker
 from werkzeug.test import TestResponse
 
 from api import auth
@@ -39,13 +43,28 @@ class CompanyWithKey:
 MakeCompany = Callable[..., CompanyWithKey]
 MakeTask = Callable[..., Task]
 
+# Where a builder writes: the test's session (commits through it), or an engine or sessionmaker
+# to open a session of its own on (for tests whose threads or processes must see the rows).
+Target = Session | Engine | sessionmaker[Session]
 
-def insert_company(session: Session, name: str = "acme") -> CompanyWithKey:
-    """Store a company with a fresh key (commits through the caller's session)."""
+
+@contextmanager
+def session_of(db: Target) -> Iterator[Session]:
+    """`db` itself when it is a session, else a session opened on it and closed afterwards."""
+    if isinstance(db, Session):
+        yield db
+        return
+    with Session(db) if isinstance(db, Engine) else db() as session:
+        yield session
+
+
+def insert_company(db: Target, name: str = "acme") -> CompanyWithKey:
+    """Store a company with a fresh key, then commit."""
     key = auth.new_api_key()
-    company = companies.create_company(session, name=name, api_key_hash=auth.hash_api_key(key))
-    session.commit()
-    return CompanyWithKey(company.id, company.name, key)
+    with session_of(db) as session:
+        company = companies.create_company(session, name=name, api_key_hash=auth.hash_api_key(key))
+        session.commit()
+        return CompanyWithKey(company.id, company.name, key)
 
 
 def insert_task(session: Session, company_id: uuid.UUID, **values: Any) -> Task:
@@ -70,6 +89,18 @@ def insert_task(session: Session, company_id: uuid.UUID, **values: Any) -> Task:
 def make_company(db_session: Session) -> MakeCompany:
     """`make_company(name="acme")` -> a stored company with its API key."""
     return lambda name="acme": insert_company(db_session, name)
+
+
+@pytest.fixture
+def company(make_company: MakeCompany) -> CompanyWithKey:
+    """The company a test works with (its requests, its tasks), on the test's session."""
+    return make_company()
+
+
+@pytest.fixture
+def fresh_company_id(fresh_engine: Engine) -> uuid.UUID:
+    """The id of a company stored in the fresh database (`fresh_engine`), for process tests."""
+    return insert_company(fresh_engine).id
 
 
 @pytest.fixture
@@ -148,45 +179,50 @@ def claimed_task(db_session: Session) -> MakeTask:
 
 
 def insert_tasks(
-    session: Session,
+    db: Target,
     company_id: uuid.UUID,
-    count: int,
+    count: int = 1,
     *,
     task_type: str = "noop",
     payload: dict[str, Any] | None = None,
     newest_age_seconds: float = 0.0,
     max_attempts: int = 5,
+    notify_channel: str | None = None,
 ) -> list[uuid.UUID]:
     """Insert `count` runnable pending tasks in one statement, then commit; ids oldest first.
 
     They are created one second apart, the newest `newest_age_seconds` ago (database clock),
     and, like every task created without `run_at` and never retried, were runnable from the
     moment they were created: `run_after = created_at`. So they are older eligible work in the
-    claim's order too ("eligible since", `db.queue.claim`).
+    claim's order too ("eligible since", `db.queue.claim`). With `notify_channel`, NOTIFY on it
+    in the same transaction, as the API does.
     """
-    rows = session.execute(
-        text(
-            """
-            INSERT INTO tasks (company_id, type, payload, status, max_attempts, run_after,
-                               created_at, updated_at)
-            SELECT :company_id, :type, CAST(:payload AS jsonb), 'pending', :max_attempts,
-                   at, at, at
-            FROM generate_series(1, :count) AS g,
-                 LATERAL (SELECT now() - make_interval(secs => :age + (:count - g)) AS at) AS c
-            RETURNING id, created_at
-            """
-        ),
-        {
-            "company_id": company_id,
-            "type": task_type,
-            "payload": json.dumps(payload or {}),
-            "max_attempts": max_attempts,
-            "age": float(newest_age_seconds),
-            "count": count,
-        },
-    ).all()
-    session.commit()
-    return [row.id for row in sorted(rows, key=lambda row: row.created_at)]
+    with session_of(db) as session:
+        rows = session.execute(
+            text(
+                """
+                INSERT INTO tasks (company_id, type, payload, status, max_attempts, run_after,
+                                   created_at, updated_at)
+                SELECT :company_id, :type, CAST(:payload AS jsonb), 'pending', :max_attempts,
+                       at, at, at
+                FROM generate_series(1, :count) AS g,
+                     LATERAL (SELECT now() - make_interval(secs => :age + (:count - g)) AS at) AS c
+                RETURNING id, created_at
+                """
+            ),
+            {
+                "company_id": company_id,
+                "type": task_type,
+                "payload": json.dumps(payload or {}),
+                "max_attempts": max_attempts,
+                "age": float(newest_age_seconds),
+                "count": count,
+            },
+        ).all()
+        if notify_channel:
+            session.execute(text("SELECT pg_notify(:channel, 'x')"), {"channel": notify_channel})
+        session.commit()
+        return [row.id for row in sorted(rows, key=lambda row: row.created_at)]
 
 
 def insert_delayed_tasks(session: Session, company_id: uuid.UUID, count: int) -> None:

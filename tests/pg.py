@@ -17,7 +17,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy.engine import make_url
 
-from db.embedded import EmbeddedPostgres, free_port
+from devtools.embedded_postgres import EmbeddedPostgres, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 # Per test session, so concurrent sessions (or a developer's run beside CI's) never share one.

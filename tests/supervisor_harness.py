@@ -22,7 +22,7 @@ import pytest
 import requests
 from sqlalchemy import Engine, text
 
-from scripts.stack import children_of, parse_metrics
+from devtools.stack import children_of, parse_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -160,8 +160,8 @@ def supervisors(tmp_path: Path, database_url: str) -> Iterator[StartSupervisor]:
     """Body of a fixture: yield `start(*flags, **env)`, which runs `python -m worker`.
 
     Environment: the test's own, then `FAST_ENV`, then `env` (None removes a variable).
-    Every supervisor and child it started is killed at teardown if still alive. Test modules
-    wrap it: `yield from harness.supervisors(tmp_path, fresh_db_url)`.
+    Every supervisor and child it started is killed at teardown if still alive. The
+    `supervisor` fixture (conftest) wraps it.
     """
     started: list[RunningSupervisor] = []
 
@@ -171,7 +171,6 @@ def supervisors(tmp_path: Path, database_url: str) -> Iterator[StartSupervisor]:
         environment = {
             **os.environ,
             "DATABASE_URL": database_url,
-            "PYTHONPATH": str(ROOT),
             "PROMETHEUS_MULTIPROC_DIR": str(workdir / "prometheus"),
             **FAST_ENV,
         }
@@ -196,53 +195,6 @@ def supervisors(tmp_path: Path, database_url: str) -> Iterator[StartSupervisor]:
 
 
 # -- database helpers -----------------------------------------------------------------------
-
-
-def add_company(engine: Engine, name: str = "acme") -> uuid.UUID:
-    """Insert a company; return its id."""
-    with engine.begin() as conn:
-        company_id: uuid.UUID = conn.execute(
-            text(
-                "INSERT INTO companies (name, api_key_hash) "
-                "VALUES (:name, md5(random()::text)) RETURNING id"
-            ),
-            {"name": name},
-        ).scalar_one()
-    return company_id
-
-
-def add_tasks(
-    engine: Engine,
-    company_id: uuid.UUID,
-    count: int = 1,
-    *,
-    type: str = "noop",
-    payload: str = "{}",
-    age_seconds: float = 0.0,
-    notify_channel: str | None = None,
-) -> list[uuid.UUID]:
-    """Insert `count` pending tasks created `age_seconds` ago (older first); return their ids.
-
-    With `notify_channel`, NOTIFY in the same transaction, as the API does.
-    """
-    with engine.begin() as conn:
-        ids = list(
-            conn.execute(
-                text(
-                    "INSERT INTO tasks (company_id, type, payload, created_at, run_after) "
-                    "SELECT :company, :type, CAST(:payload AS jsonb), ts, ts "
-                    "FROM (SELECT now() - make_interval(secs => :age) "
-                    "             + g * interval '1 microsecond' AS ts "
-                    "      FROM generate_series(1, :count) g) s "
-                    "RETURNING id"
-                ),
-                {"company": company_id, "type": type, "payload": payload, "age": age_seconds,
-                 "count": count},
-            ).scalars()
-        )  # fmt: skip
-        if notify_channel:
-            conn.execute(text("SELECT pg_notify(:channel, 'x')"), {"channel": notify_channel})
-    return ids
 
 
 def status_counts(engine: Engine) -> dict[str, int]:

@@ -201,8 +201,7 @@ def test_create_company_without_admin_token_configured_is_503_saying_so(
             headers={"Authorization": "Bearer anything-at-all-here"},
         )
     finally:
-        with app.app_context():
-            database.engine().dispose()
+        database.engine_of(app).dispose()
 
     assert response.status_code == 503
     body = json_of(response)
@@ -616,8 +615,7 @@ def test_patch_without_admin_token_configured_is_503_saying_so(main_db_url: str)
             headers={"Authorization": "Bearer anything-at-all-here"},
         )
     finally:
-        with app.app_context():
-            database.engine().dispose()
+        database.engine_of(app).dispose()
 
     assert response.status_code == 503
     assert "ADMIN_TOKEN" in json_of(response)["message"]

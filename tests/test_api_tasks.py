@@ -43,12 +43,6 @@ TIMESTAMP_FIELDS = ("run_after", "created_at", "updated_at", "started_at", "fini
 ISO_WITH_OFFSET = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?([+-]\d{2}:\d{2}|Z)$")
 
 
-@pytest.fixture
-def company(make_company: MakeCompany) -> CompanyWithKey:
-    """The company whose tasks the test works with."""
-    return make_company()
-
-
 def tasks_url(company: CompanyWithKey, suffix: str = "") -> str:
     """URL of the company's task collection, plus `suffix`."""
     return f"/companies/{company.id}/tasks{suffix}"

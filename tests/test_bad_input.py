@@ -17,12 +17,6 @@ from tests.factories import CompanyWithKey, MakeCompany, count_tasks, json_of
 JSON = "application/json"
 
 
-@pytest.fixture
-def company(make_company: MakeCompany) -> CompanyWithKey:
-    """The company whose endpoints receive the bad input."""
-    return make_company()
-
-
 def post_task(
     client: FlaskClient,
     company: CompanyWithKey,

@@ -1,4 +1,4 @@
-"""The chaos run (`scripts/chaos.py`) scaled down: SIGKILLed workers lose no task (design §1.1)."""
+"""The chaos run (`devtools.chaos`) scaled down: SIGKILLed workers lose no task (design §1.1)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import chaos
+from devtools import chaos
 
 
 @pytest.mark.slow

@@ -12,19 +12,13 @@ from sqlalchemy import Engine, pool, text
 from sqlalchemy.orm import Session
 
 from db import maintenance
-from db.embedded import EmbeddedPostgres, free_port
 from db.engine import make_engine
+from devtools.embedded_postgres import EmbeddedPostgres, free_port
 from tests import pg
 from tests import supervisor_harness as harness
-from tests.factories import MakeCompany, MakeTask
+from tests.factories import MakeCompany, MakeTask, insert_company, insert_tasks
 from tests.supervisor_harness import StartSupervisor, wait_for
 from worker import child
-
-
-@pytest.fixture
-def supervisor(tmp_path: Path, fresh_db_url: str) -> Iterator[StartSupervisor]:
-    """`supervisor(*flags, **env)` runs `python -m worker` on the fresh database."""
-    yield from harness.supervisors(tmp_path, fresh_db_url)
 
 
 def _listener_pids(engine: Engine) -> set[int]:
@@ -66,20 +60,20 @@ def _wait_completed(engine: Engine, task_id: uuid.UUID, timeout: float) -> None:
 def test_notify_wakes_an_idle_child_at_once(
     supervisor: StartSupervisor, fresh_engine: Engine
 ) -> None:
-    company = harness.add_company(fresh_engine)
+    company = insert_company(fresh_engine).id
     # With a 10 s poll, only the NOTIFY can explain a start well under a second.
     sup = supervisor("--concurrency", "1", "--poll-interval", "10")
     sup.wait_ready(1)
     wait_for(lambda: _listener_pids(fresh_engine), 5, "the child to LISTEN")
 
-    (task,) = harness.add_tasks(fresh_engine, company, notify_channel="fairq_tasks")
+    (task,) = insert_tasks(fresh_engine, company, notify_channel="fairq_tasks")
     _wait_completed(fresh_engine, task, 3)
     assert _start_delay(fresh_engine, task) < 0.5
 
     # A lost LISTEN connection is noticed and re-established; NOTIFY works again after it.
     old = _terminate_listeners(fresh_engine)
     wait_for(lambda: _listener_pids(fresh_engine) - old, 5, "the child to LISTEN again")
-    (again,) = harness.add_tasks(fresh_engine, company, notify_channel="fairq_tasks")
+    (again,) = insert_tasks(fresh_engine, company, notify_channel="fairq_tasks")
     _wait_completed(fresh_engine, again, 3)
     assert _start_delay(fresh_engine, again) < 0.5
     assert "LISTEN connection lost" in sup.log()
@@ -89,14 +83,14 @@ def test_notify_wakes_an_idle_child_at_once(
 def test_polling_alone_runs_tasks_when_notify_never_arrives(
     supervisor: StartSupervisor, fresh_engine: Engine
 ) -> None:
-    company = harness.add_company(fresh_engine)
+    company = insert_company(fresh_engine).id
     sup = supervisor("--concurrency", "1", "--poll-interval", "0.3")
     (pid,) = sup.wait_ready(1)
     wait_for(lambda: _listener_pids(fresh_engine), 5, "the child to LISTEN")
     _terminate_listeners(fresh_engine)
 
     # No NOTIFY at all (as behind PgBouncer in transaction mode): the poll finds them.
-    tasks = harness.add_tasks(fresh_engine, company, 3)
+    tasks = insert_tasks(fresh_engine, company, 3)
     for task in tasks:
         _wait_completed(fresh_engine, task, 5)
     assert sup.children() == [pid]
@@ -137,20 +131,20 @@ def test_work_resumes_after_postgresql_restarts(
     postgres, url = restartable
     engine = make_engine(url, application_name="fairq-tests", poolclass=pool.NullPool)
     try:
-        company = harness.add_company(engine)
+        company = insert_company(engine).id
         # A 10 s poll: after the restart, only re-established LISTEN connections (or the
         # immediate pass that follows each reconnect) can explain a prompt start.
         sup = supervisor("--concurrency", "2", "--poll-interval", "10", DATABASE_URL=url)
         children = sup.wait_ready(2)
         wait_for(lambda: len(_listener_pids(engine)) == 2, 5, "both children to LISTEN")
-        (before,) = harness.add_tasks(engine, company, notify_channel="fairq_tasks")
+        (before,) = insert_tasks(engine, company, notify_channel="fairq_tasks")
         _wait_completed(engine, before, 5)
 
         postgres.restart()
 
         # Children back off 0.5, 1, 2 ... s between attempts, LISTEN included.
         wait_for(lambda: len(_listener_pids(engine)) == 2, 15, "both children to LISTEN again")
-        (after,) = harness.add_tasks(engine, company, notify_channel="fairq_tasks")
+        (after,) = insert_tasks(engine, company, notify_channel="fairq_tasks")
         _wait_completed(engine, after, 3)
         assert _start_delay(engine, after) < 1.0
         assert sup.children() == children  # the same processes: nobody exited or restarted
@@ -214,14 +208,14 @@ def test_supervisor_started_while_postgresql_is_down_waits_and_then_works(
     postgres, url = restartable
     engine = make_engine(url, application_name="fairq-tests", poolclass=pool.NullPool)
     try:
-        company = harness.add_company(engine)
+        company = insert_company(engine).id
         postgres.stop()
         sup = supervisor("--concurrency", "2", "--poll-interval", "0.2", DATABASE_URL=url)
         # A deploy that restarts the database must not take the workers down with it.
         wait_for(lambda: "database unreachable at boot" in sup.log(), 10, "boot retries")
         postgres.start()
         sup.wait_ready(2)
-        (task,) = harness.add_tasks(engine, company)
+        (task,) = insert_tasks(engine, company)
         _wait_completed(engine, task, 10)
         assert sup.metrics()["worker_child_restarts_total"] == 0
     finally:

@@ -15,12 +15,13 @@ from sqlalchemy import Engine, text
 
 from db import queue
 from tests import supervisor_harness as harness
+from tests.factories import insert_company, insert_tasks
 from worker import cli
 
 
 def _run(tmp_path: Path, *args: str, **env: str | None) -> tuple[int, str, str]:
     """Run `python -m worker *args` to completion; return (status, stdout, stderr)."""
-    environment = {**os.environ, "PYTHONPATH": str(harness.ROOT)}
+    environment = dict(os.environ)
     for key, value in env.items():
         if value is None:
             environment.pop(key, None)
@@ -49,9 +50,9 @@ def test_help_documents_every_flag_with_its_variable(tmp_path: Path) -> None:
 def test_once_runs_one_pass_and_prints_its_counts(
     tmp_path: Path, fresh_db_url: str, fresh_engine: Engine
 ) -> None:
-    company = harness.add_company(fresh_engine)
-    harness.add_tasks(fresh_engine, company, 3)
-    harness.add_tasks(fresh_engine, company, type="no_such_type")
+    company = insert_company(fresh_engine).id
+    insert_tasks(fresh_engine, company, 3)
+    insert_tasks(fresh_engine, company, task_type="no_such_type")
 
     status, out, err = _run(
         tmp_path, "--once", DATABASE_URL=fresh_db_url, LOG_FORMAT="json", LOG_LEVEL="INFO"
@@ -102,9 +103,9 @@ def test_taken_metrics_port_exits_1_with_a_message(tmp_path: Path, fresh_db_url:
 def test_sigterm_during_once_finishes_the_task_in_hand_and_hands_back_the_rest(
     tmp_path: Path, fresh_db_url: str, fresh_engine: Engine
 ) -> None:
-    company = harness.add_company(fresh_engine)
-    harness.add_tasks(fresh_engine, company, 3, type="sleep", payload='{"seconds": 1}')
-    environment = {**os.environ, "PYTHONPATH": str(harness.ROOT), "DATABASE_URL": fresh_db_url}
+    company = insert_company(fresh_engine).id
+    insert_tasks(fresh_engine, company, 3, task_type="sleep", payload={"seconds": 1})
+    environment = {**os.environ, "DATABASE_URL": fresh_db_url}
     with (tmp_path / "out.log").open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "worker", "--once"],
@@ -142,7 +143,7 @@ def test_once_reports_a_driver_error_in_the_claim_as_a_database_error(
         # Another claimer that holds the claimers' lock for longer than the timeout.
         holder.execute(text("SELECT pg_advisory_lock(:key)"), {"key": queue.CLAIM_LOCK_KEY})
         holder.commit()
-        environment = {**os.environ, "PYTHONPATH": str(harness.ROOT), "DATABASE_URL": fresh_db_url}
+        environment = {**os.environ, "DATABASE_URL": fresh_db_url}
         done = subprocess.run(
             [sys.executable, "-m", "worker", "--once"],
             cwd=harness.ROOT, env=environment, capture_output=True, text=True,

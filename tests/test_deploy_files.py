@@ -12,9 +12,9 @@ import json
 import os
 import re
 import runpy
-import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 import tomllib
 from pathlib import Path
@@ -25,6 +25,7 @@ import yaml
 from flask.testing import FlaskClient
 
 from api.settings import ApiSettings
+from tests import system_tools
 from worker.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -435,9 +436,6 @@ def run_entrypoint(
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), proc.pid
 
 
-LIST_AND_PID: Final = ["sh", "-c", 'ls -A "$PROMETHEUS_MULTIPROC_DIR"; echo "pid=$$"']
-
-
 def test_entrypoint_is_an_executable_posix_script_that_execs() -> None:
     lines = ENTRYPOINT.read_text(encoding="utf-8").splitlines()
     code = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
@@ -448,28 +446,18 @@ def test_entrypoint_is_an_executable_posix_script_that_execs() -> None:
     assert code[-1] == 'exec "$@"'
 
 
-def test_entrypoint_removes_stale_metric_files_and_execs_the_command(tmp_path: Path) -> None:
+def test_entrypoint_passes_the_metrics_directory_on_untouched_and_execs(tmp_path: Path) -> None:
+    # Creating and emptying it is the processes' job (worker/metrics_dir.py), not the shell's.
     multiproc = tmp_path / "metrics"
     multiproc.mkdir()
     (multiproc / "counter_4242.db").write_bytes(b"stale")
-    (multiproc / "gauge_livesum_4243.db").write_bytes(b"stale")
+    command = ["sh", "-c", 'echo "pid=$$ dir=$PROMETHEUS_MULTIPROC_DIR"']
 
-    result, pid = run_entrypoint(LIST_AND_PID, multiproc)
-
-    assert result.returncode == 0, result.stderr
-    # ls printed nothing: the directory was empty when the command started.
-    assert result.stdout.splitlines() == [f"pid={pid}"], "exec replaced the entrypoint shell"
-    assert list(multiproc.iterdir()) == []
-
-
-def test_entrypoint_creates_a_missing_multiproc_dir(tmp_path: Path) -> None:
-    multiproc = tmp_path / "not" / "yet"
-
-    result, pid = run_entrypoint(LIST_AND_PID, multiproc)
+    result, pid = run_entrypoint(command, multiproc)
 
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [f"pid={pid}"]
-    assert multiproc.is_dir()
+    assert result.stdout.splitlines() == [f"pid={pid} dir={multiproc}"], "exec replaced the shell"
+    assert [path.name for path in multiproc.iterdir()] == ["counter_4242.db"]
 
 
 def test_entrypoint_without_multiproc_dir_just_execs() -> None:
@@ -565,10 +553,41 @@ def test_alerts_and_dashboard_use_only_metrics_and_labels_that_exist(
         assert not labels, f"unknown labels {labels} in {expr!r}"
 
 
+def _readme_shell_block(after_heading: str) -> str:
+    """The first ```sh block of README.md after the heading `after_heading`."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index(after_heading) :]
+    start = section.index("```sh\n") + len("```sh\n")
+    return section[start : section.index("\n```", start)]
+
+
+def test_the_readme_compose_token_reaches_compose_and_every_later_shell(tmp_path: Path) -> None:
+    # Run the compose block's own lines (not docker) in a checkout-like directory, then the
+    # API walkthrough's token line in a new shell: both must see the token compose gets.
+    setup = "\n".join(
+        line
+        for line in _readme_shell_block("## Deploying with docker compose").splitlines()
+        if not line.startswith("docker ")
+    )
+    subprocess.run(["bash", "-euc", setup], cwd=tmp_path, check=True)
+    env_file = dict(
+        line.split("=", 1) for line in (tmp_path / ".env").read_text().splitlines() if line
+    )
+    walkthrough = _readme_shell_block("## Using the API")
+    token_line = next(line for line in walkthrough.splitlines() if line.startswith("ADMIN_TOKEN="))
+    later_shell = subprocess.run(
+        ["bash", "-euc", f'{token_line}\nprintf %s "$ADMIN_TOKEN"'],
+        cwd=tmp_path, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+
+    assert len(env_file["ADMIN_TOKEN"]) >= 16
+    assert later_shell.stdout == env_file["ADMIN_TOKEN"]
+    compose_file = COMPOSE_FILE.read_text()
+    assert "ADMIN_TOKEN: ${ADMIN_TOKEN" in compose_file
+
+
 def test_promtool_accepts_the_rules_and_config() -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed (optional: part of the Prometheus release)")
+    promtool = system_tools.require("promtool", package="prometheus")
     rules = subprocess.run(
         [promtool, "check", "rules", str(ALERTS_FILE)], capture_output=True, text=True, check=False
     )
@@ -650,33 +669,54 @@ def test_the_api_exposes_the_metric_names_the_alerts_and_dashboard_use(
     assert 'url_rule="/companies/<uuid:company_id>/tasks"' in api_metrics_text
 
 
-def _load_gunicorn_config() -> dict[str, Any]:
-    return runpy.run_path(str(ROOT / "deploy" / "gunicorn.conf.py"))
+GUNICORN_CONFIG = ROOT / "deploy" / "gunicorn.conf.py"
 
 
-def test_gunicorn_config_creates_no_metrics_directory_when_one_is_configured(
+def test_gunicorn_empties_the_configured_metrics_directory_at_start_and_keeps_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "metrics"))
+    configured = tmp_path / "metrics"
+    configured.mkdir()
+    (configured / "counter_4242.db").write_bytes(b"stale")
+    (configured / "notes.txt").write_text("not a metrics file")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(configured))
 
-    _load_gunicorn_config()
-
-    assert list((tmp_path / "tmp").iterdir()) == []
-
-
-def test_gunicorn_config_removes_the_metrics_directory_it_created_on_exit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")  # restored after the test
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
-
-    config = _load_gunicorn_config()
-    created = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
-    (created / "counter_1.db").write_bytes(b"")
+    config = runpy.run_path(str(GUNICORN_CONFIG))
+    assert (configured / "counter_4242.db").exists(), "loading the config changes nothing"
+    config["on_starting"](None)
     config["on_exit"](None)
 
-    assert created.parent == tmp_path
-    assert not created.exists()
+    assert [path.name for path in configured.iterdir()] == ["notes.txt"]
+    assert list((tmp_path / "tmp").iterdir()) == [], "no temporary directory"
+    assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(configured)
+
+
+def test_gunicorn_without_a_metrics_directory_uses_a_temporary_one_until_exit(
+    tmp_path: Path,
+) -> None:
+    # A fresh interpreter, like gunicorn's master: this one imported prometheus_client long
+    # ago, and exporting a new directory after that is refused (worker/metrics_dir.py).
+    script = """if True:
+        import os, runpy, sys, tempfile
+        tempfile.tempdir = sys.argv[2]
+        config = runpy.run_path(sys.argv[1])
+        assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ, "set at start, not at load"
+        config["on_starting"](None)
+        created = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+        print(created, os.path.isdir(created))
+        config["on_exit"](None)
+        print(os.path.exists(created))
+    """
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(GUNICORN_CONFIG), str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+    assert result.returncode == 0, result.stderr
+    created, existed, exists_after_exit = result.stdout.split()
+    assert Path(created).parent == tmp_path
+    assert (existed, exists_after_exit) == ("True", "False")

@@ -18,21 +18,16 @@ import html
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
-import threading
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import pytest
-from werkzeug.serving import make_server
 
-from api import database
-from tests.conftest import make_test_app
+from tests import system_tools
 
 DOCS_HOST: Final = "fairq.test"
 # Nothing listens on the discard port: a request sent through this proxy fails at once.
@@ -57,39 +52,6 @@ _OPERATION = re.compile(
     r'class="opblock-summary-description">(?P<summary>[^<]*)</div>',
     re.DOTALL,
 )
-
-
-def in_ci() -> bool:
-    """True when running in CI, where a missing browser is an error, not a skip."""
-    return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
-
-
-def chromium_or_skip() -> str:
-    """Path of the Chromium binary; skip (or fail in CI) when it is not installed."""
-    found = shutil.which("chromium") or shutil.which("chromium", path="/usr/bin")
-    if found:
-        return found
-    reason = "Chromium is not installed: apt-get install chromium (.ci/run does it in CI)"
-    if in_ci():
-        pytest.fail(reason)
-    pytest.skip(reason)
-
-
-@pytest.fixture(scope="module")
-def docs_port(main_db_url: str) -> Iterator[int]:
-    """Port on 127.0.0.1 of a real threaded HTTP server running the app."""
-    app = make_test_app(main_db_url)
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, name="docs-server", daemon=True)
-    thread.start()
-    try:
-        yield server.server_port
-    finally:
-        server.shutdown()
-        thread.join(timeout=10)
-        server.server_close()
-        with app.app_context():
-            database.engine().dispose()
 
 
 def fetch(url: str) -> tuple[int, str]:
@@ -191,8 +153,8 @@ def spec_operations(spec: dict[str, Any]) -> set[tuple[str, str, str]]:
     }
 
 
-def test_docs_page_references_only_same_origin_urls(docs_port: int) -> None:
-    base = f"http://127.0.0.1:{docs_port}"
+def test_docs_page_references_only_same_origin_urls(live_api_port: int) -> None:
+    base = f"http://127.0.0.1:{live_api_port}"
     status, page = fetch(f"{base}/docs")
     references = re.findall(r"""(?:src|href)\s*=\s*["']([^"']+)["']""", page)
     spec_url = re.search(r"""url:\s*["']([^"']+)["']""", page)
@@ -209,12 +171,12 @@ def test_docs_page_references_only_same_origin_urls(docs_port: int) -> None:
 
 
 def test_swagger_ui_renders_every_operation_without_internet(
-    docs_port: int, tmp_path: Path
+    live_api_port: int, tmp_path: Path
 ) -> None:
-    chromium = chromium_or_skip()
-    _, spec_text = fetch(f"http://127.0.0.1:{docs_port}/openapi.json")
+    chromium = system_tools.require("chromium", package="chromium")
+    _, spec_text = fetch(f"http://127.0.0.1:{live_api_port}/openapi.json")
     expected = spec_operations(json.loads(spec_text))
-    origin = f"http://{DOCS_HOST}:{docs_port}"
+    origin = f"http://{DOCS_HOST}:{live_api_port}"
 
     rendered = render(chromium, f"{origin}/docs", tmp_path)
 

@@ -32,7 +32,7 @@ from aiosmtpd.controller import Controller
 from flask import Flask
 from sqlalchemy import Engine, text
 
-from db.embedded import free_port
+from devtools.embedded_postgres import free_port
 from tests.supervisor_harness import wait_for
 from tests.test_deploy_files import E2E_COMMANDS
 
@@ -230,7 +230,6 @@ def stack(tmp_path: Path, fresh_db_url: str) -> Iterator[Stack]:
     """The environment every compose service gets here, and cleanup."""
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
         "DATABASE_URL": fresh_db_url,
         "LOG_LEVEL": "INFO",
         "LOG_FORMAT": "json",

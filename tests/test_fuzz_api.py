@@ -89,8 +89,7 @@ def world(fresh_db_url: str, fresh_engine: Engine) -> Iterator[World]:
         )
     app = make_test_app(fresh_db_url)
     yield World(app, me, other, ids)
-    with app.app_context():
-        database.engine().dispose()
+    database.engine_of(app).dispose()
 
 
 def _valid_task_bodies() -> st.SearchStrategy[tuple[str, dict[str, Any]]]:

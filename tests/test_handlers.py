@@ -158,6 +158,36 @@ def test_an_unknown_smtp_url_scheme_is_a_retryable_config_error() -> None:
         send_email.handle(email_task(config))
 
 
+def test_an_smtp_server_that_trickles_its_greeting_is_cut_off_at_the_total_timeout() -> None:
+    # A greeting a byte per tenth of a second: every read is inside the timeout, the
+    # exchange (about 3 s) far outside it.
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            for byte in b"220 slow.example ESMTP\r\n":
+                if stop.wait(0.1):
+                    return
+                try:
+                    connection.sendall(bytes([byte]))
+                except OSError:  # the client shut the connection down
+                    return
+
+    thread = threading.Thread(target=trickle)
+    thread.start()
+    port = listener.getsockname()[1]
+    config = HandlerConfig(smtp_url=f"smtp://127.0.0.1:{port}", smtp_timeout=0.5)
+    try:
+        with pytest.raises(send_email.SmtpRetryableError, match=r"longer than 0\.5 s"):
+            send_email.handle(email_task(config))
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
 def test_a_line_break_in_the_subject_fails_the_email_permanently(smtp_server: SmtpServer) -> None:
     task = email_task(smtp_server.config, subject="Hi\r\nBcc: victim@example.com")
 
@@ -185,6 +215,11 @@ class HttpServer:
     received: list[Received] = field(default_factory=list)
     script: dict[str, list[tuple[int, dict[str, str], bytes]]] = field(default_factory=dict)
     stalled: threading.Event = field(default_factory=threading.Event)
+    # path -> (bytes written verbatim as the whole response, then the connection closes;
+    # seconds to wait before each byte): a server that trickles, dies or cuts its answer short.
+    raw: dict[str, tuple[bytes, float]] = field(default_factory=dict)
+    # Paths whose raw answer the client hung up on before it was all written.
+    cut_off: list[str] = field(default_factory=list)
 
     def url(self, path: str, host: str = "127.0.0.1") -> str:
         return f"http://{host}:{self.port}{path}"
@@ -201,6 +236,9 @@ def make_request_handler(state: HttpServer) -> type[BaseHTTPRequestHandler]:
             if self.path == "/slow":
                 state.stalled.wait(5)  # the teardown sets it, so the thread ends promptly
                 return
+            if self.path in state.raw:
+                self._answer_raw(*state.raw[self.path])
+                return
             steps = state.script.get(self.path)
             status, headers, reply = steps.pop(0) if steps else (200, {}, b"ok")
             self.send_response(status)
@@ -209,6 +247,17 @@ def make_request_handler(state: HttpServer) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Length", str(len(reply)))
             self.end_headers()
             self.wfile.write(reply)
+
+        def _answer_raw(self, answer: bytes, delay: float) -> None:
+            self.close_connection = True
+            try:
+                for index in range(len(answer)):
+                    if delay and state.stalled.wait(delay):
+                        return
+                    self.wfile.write(answer[index : index + 1])
+                    self.wfile.flush()
+            except OSError:  # the client shut the connection down
+                state.cut_off.append(self.path)
 
         def log_message(self, format: str, *args: Any) -> None:
             """Keep the test output quiet."""
@@ -354,6 +403,59 @@ def test_a_server_slower_than_the_timeout_is_retryable(http_server: HttpServer) 
 
     with pytest.raises(webhook.WebhookRetryableError):
         webhook.handle(task)
+
+
+def test_a_server_that_trickles_its_answer_is_cut_off_at_the_total_timeout(
+    http_server: HttpServer,
+) -> None:
+    # 20 bytes of headers a tenth of a second apart: each read is far inside the timeout,
+    # the whole answer (about 6 s) far outside it.
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nX-Padding: " + b"x" * 20 + b"\r\n\r\n"
+    http_server.raw["/trickle"] = (answer, 0.1)
+    task = webhook_task(http_server.config(webhook_timeout=0.5), http_server.url("/trickle"))
+
+    with pytest.raises(webhook.WebhookRetryableError, match=r"longer than 0\.5 s"):
+        webhook.handle(task)
+
+    assert http_server.received[0].path == "/trickle"
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        pytest.param(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc", id="body-cut-short"),
+        pytest.param(b"HTTP/1.1 200 OK\r\nContent-Ty", id="died-mid-headers"),
+        pytest.param(b"HTTP/1.1 200 OK\r\n", id="died-after-status-line"),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab", id="chunk-cut-short"
+        ),
+    ],
+)
+def test_a_success_cut_short_is_retryable_not_completed(
+    http_server: HttpServer, answer: bytes
+) -> None:
+    http_server.raw["/cut"] = (answer, 0.0)
+    task = webhook_task(http_server.config(), http_server.url("/cut"))
+
+    with pytest.raises(webhook.WebhookRetryableError):
+        webhook.handle(task)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        pytest.param(b"HTTP/1.1 204 No Content\r\n\r\n", id="no-content"),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+            id="chunked",
+        ),
+        pytest.param(b"HTTP/1.1 202 Accepted\r\nContent-Length: 2\r\n\r\nok", id="length"),
+    ],
+)
+def test_a_whole_success_completes(http_server: HttpServer, answer: bytes) -> None:
+    http_server.raw["/whole"] = (answer, 0.0)
+
+    webhook.handle(webhook_task(http_server.config(), http_server.url("/whole")))
 
 
 def test_an_unreachable_webhook_host_is_retryable() -> None:

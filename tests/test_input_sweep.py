@@ -29,14 +29,13 @@ from sqlalchemy import Engine, func, pool, select
 from sqlalchemy.orm import Session
 from werkzeug.test import TestResponse
 
-from db.embedded import free_port
 from db.engine import make_engine
 from db.models import Company
+from devtools.embedded_postgres import free_port
 from tests import pg
 from tests.conftest import ADMIN_TOKEN
 from tests.factories import (
     CompanyWithKey,
-    MakeCompany,
     company_limits,
     count_tasks,
     insert_company,
@@ -45,12 +44,6 @@ from tests.factories import (
 
 ROOT = Path(__file__).resolve().parent.parent
 JSON = "application/json"
-
-
-@pytest.fixture
-def company(make_company: MakeCompany) -> CompanyWithKey:
-    """The company whose endpoints receive the hostile input."""
-    return make_company()
 
 
 def post_raw(
@@ -620,7 +613,6 @@ def gunicorn(server: pg.TestServer, tmp_path_factory: pytest.TempPathFactory) ->
         "ADMIN_TOKEN": ADMIN_TOKEN,
         "GUNICORN_BIND": f"127.0.0.1:{port}",
         "GUNICORN_WORKERS": "1",
-        "PYTHONPATH": str(ROOT),
     }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     with log.open("wb") as out:

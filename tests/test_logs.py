@@ -29,11 +29,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.settings import ApiSettings
 from tests.conftest import ADMIN_TOKEN, make_test_app
-from tests.factories import CompanyWithKey, MakeCompany, json_of
+from tests.factories import CompanyWithKey, MakeCompany, insert_tasks, json_of
 from worker import logging as worker_logging
 from worker import processing, tasktypes
+from worker.environment import SettingsError
 from worker.errors import PermanentTaskError
-from worker.settings import SettingsError, WorkerSettings
+from worker.settings import WorkerSettings
 from worker.tasktypes.base import TaskContext, TaskType
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,8 +55,7 @@ def json_app(main_db_url: str) -> Iterator[Flask]:
     yield app
     from api import database
 
-    with app.app_context():
-        database.engine().dispose()
+    database.engine_of(app).dispose()
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
     for handler in handlers:
@@ -229,11 +229,8 @@ def test_the_text_format_keeps_one_readable_line_per_request(
     assert "(request text-1)" in line
 
 
-def test_gunicorn_access_log_is_off_unless_configured(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_gunicorn_access_log_is_off_unless_configured(monkeypatch: pytest.MonkeyPatch) -> None:
     # The app's line replaces it; two lines per request would double the log volume.
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))  # the file sets a default
     conf = str(ROOT / "deploy" / "gunicorn.conf.py")
     monkeypatch.delenv("GUNICORN_ACCESSLOG", raising=False)
     assert runpy.run_path(conf)["accesslog"] is None
@@ -357,32 +354,8 @@ def test_no_payload_content_reaches_the_logs(
 
 # -- the pass's other transitions, in-process on a fresh database -----------------------------
 
-
-@pytest.fixture
-def fresh_company(fresh_engine: Engine) -> uuid.UUID:
-    """A company in the fresh database."""
-    with fresh_engine.begin() as conn:
-        company_id: uuid.UUID = conn.execute(
-            text("INSERT INTO companies (name, api_key_hash) VALUES ('logs', md5(random()::text)) "
-                 "RETURNING id")
-        ).scalar_one()  # fmt: skip
-    return company_id
-
-
-def add_tasks(engine: Engine, company_id: uuid.UUID, type_: str, count: int) -> list[uuid.UUID]:
-    """`count` runnable tasks of `type_`; return their ids."""
-    with engine.begin() as conn:
-        return list(
-            conn.execute(
-                text(
-                    "INSERT INTO tasks (company_id, type, payload, run_after, created_at) "
-                    'SELECT :c, :t, \'{"secret": "s"}\', now(), '
-                    "       now() + g * interval '1 microsecond' "
-                    "FROM generate_series(1, :n) g ORDER BY g RETURNING id"
-                ),
-                {"c": company_id, "t": type_, "n": count},
-            ).scalars()
-        )
+# What the tasks of these tests carry: the test types' payload.
+PAYLOAD = {"secret": "s"}
 
 
 def task_records(caplog: pytest.LogCaptureFixture, event: str) -> list[logging.LogRecord]:
@@ -391,13 +364,13 @@ def task_records(caplog: pytest.LogCaptureFixture, event: str) -> list[logging.L
 
 
 def test_released_tasks_log_one_line_each(
-    fresh_engine: Engine, fresh_company: uuid.UUID, caplog: pytest.LogCaptureFixture
+    fresh_engine: Engine, fresh_company_id: uuid.UUID, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ids = add_tasks(fresh_engine, fresh_company, "noop", 4)
+    ids = insert_tasks(fresh_engine, fresh_company_id, 4, task_type="noop", payload=PAYLOAD)
     checks = iter([False, False])  # before the claim and before the first task; then stop
 
     with caplog.at_level(logging.INFO, logger="fairq"):
-        result = processing.process_batch(
+        result = processing.run_pass(
             fresh_engine, worker_id="logs:1", stop=lambda: next(checks, True)
         )
 
@@ -411,14 +384,14 @@ def test_released_tasks_log_one_line_each(
     for record in released:
         assert record.levelno == logging.INFO
         assert (getattr(record, "attempt", None), getattr(record, "duration_ms", 0)) == (1, None)
-        assert getattr(record, "company_id", None) == str(fresh_company)
+        assert getattr(record, "company_id", None) == str(fresh_company_id)
         rendered = json.loads(worker_logging.JsonFormatter().format(record))
         assert rendered.keys() >= TASK_FIELDS
 
 
 def test_a_lost_lease_logs_one_line_with_the_action_that_changed_nothing(
     fresh_engine: Engine,
-    fresh_company: uuid.UUID,
+    fresh_company_id: uuid.UUID,
     register: Register,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -430,10 +403,12 @@ def test_a_lost_lease_logs_one_line_with_the_action_that_changed_nothing(
             )
 
     register("overtaken", overtaken)
-    [task_id] = add_tasks(fresh_engine, fresh_company, "overtaken", 1)
+    [task_id] = insert_tasks(
+        fresh_engine, fresh_company_id, 1, task_type="overtaken", payload=PAYLOAD
+    )
 
     with caplog.at_level(logging.INFO, logger="fairq"):
-        result = processing.process_batch(fresh_engine, worker_id="logs:1")
+        result = processing.run_pass(fresh_engine, worker_id="logs:1")
 
     assert result.lease_lost == 1
     [record] = task_records(caplog, "task.lease_lost")
@@ -445,9 +420,9 @@ def test_a_lost_lease_logs_one_line_with_the_action_that_changed_nothing(
 
 
 def test_a_poison_pill_logs_one_failed_line(
-    fresh_engine: Engine, fresh_company: uuid.UUID, caplog: pytest.LogCaptureFixture
+    fresh_engine: Engine, fresh_company_id: uuid.UUID, caplog: pytest.LogCaptureFixture
 ) -> None:
-    [task_id] = add_tasks(fresh_engine, fresh_company, "noop", 1)
+    [task_id] = insert_tasks(fresh_engine, fresh_company_id, 1, task_type="noop", payload=PAYLOAD)
     with fresh_engine.begin() as conn:
         conn.execute(
             text(
@@ -459,7 +434,7 @@ def test_a_poison_pill_logs_one_failed_line(
         )
 
     with caplog.at_level(logging.INFO, logger="fairq"):
-        result = processing.process_batch(fresh_engine, worker_id="logs:1")
+        result = processing.run_pass(fresh_engine, worker_id="logs:1")
 
     assert result.failed == 1
     [record] = task_records(caplog, "task.failed")
@@ -485,9 +460,9 @@ class CountingStream(io.StringIO):
 
 @pytest.fixture
 def counted() -> Iterator[tuple[logging.Logger, CountingStream]]:
-    """A logger of its own writing through a `LineHandler` to a `CountingStream`."""
+    """A logger of its own writing through `configure`'s kind of handler to a `CountingStream`."""
     stream = CountingStream()
-    handler = worker_logging.LineHandler("text", stream, capacity=5)
+    handler = worker_logging.make_handler("text", stream, capacity=5)
     logger = logging.getLogger(f"fairq-test.{uuid.uuid4().hex}")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -571,7 +546,7 @@ def test_a_held_line_is_written_once_it_has_waited_long_enough(
 
 def test_a_slow_batch_does_not_hold_finished_tasks_lines_until_it_ends(
     fresh_engine: Engine,
-    fresh_company: uuid.UUID,
+    fresh_company_id: uuid.UUID,
     register: Register,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -579,7 +554,7 @@ def test_a_slow_batch_does_not_hold_finished_tasks_lines_until_it_ends(
     # lease keeper's `write_due`, not written by the next record's arrival.
     monkeypatch.setattr(worker_logging, "MAX_HOLD_SECONDS", 0.3)
     stream = io.StringIO()
-    handler = worker_logging.LineHandler("json", stream)
+    handler = worker_logging.make_handler("json", stream)
     logger = logging.getLogger("fairq.worker.processing")
     first: list[uuid.UUID] = []
     seen_during_pass: list[bool] = []
@@ -595,12 +570,12 @@ def test_a_slow_batch_does_not_hold_finished_tasks_lines_until_it_ends(
         seen_during_pass.append(str(first[0]) in stream.getvalue())
 
     register("slow", slow)
-    add_tasks(fresh_engine, fresh_company, "slow", 2)
+    insert_tasks(fresh_engine, fresh_company_id, 2, task_type="slow", payload=PAYLOAD)
     logger.addHandler(handler)
     level = logger.level
     logger.setLevel(logging.INFO)
     try:
-        result = processing.process_batch(fresh_engine, worker_id="logs:1")
+        result = processing.run_pass(fresh_engine, worker_id="logs:1")
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -612,7 +587,7 @@ def test_a_slow_batch_does_not_hold_finished_tasks_lines_until_it_ends(
 def test_a_forked_child_does_not_write_the_lines_its_parent_holds() -> None:
     read_fd, write_fd = os.pipe()
     with os.fdopen(write_fd, "w") as stream, os.fdopen(read_fd) as reader:
-        handler = worker_logging.LineHandler("text", stream)
+        handler = worker_logging.make_handler("text", stream)
         logger = logging.getLogger(f"fairq-test.{uuid.uuid4().hex}")
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

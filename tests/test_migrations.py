@@ -196,6 +196,31 @@ def test_downgrading_the_fair_claim_removes_its_triggers_functions_and_tables(
         assert list(columns) == []
 
 
+RELOPTIONS = text(
+    """
+    SELECT relname, reloptions FROM pg_class
+    WHERE relnamespace = 'public'::regnamespace AND reloptions IS NOT NULL
+    """
+)
+
+
+def test_the_queue_tables_carry_their_autovacuum_settings_and_downgrade_resets_them(
+    empty_db_url: str,
+) -> None:
+    config = pg.alembic_config(empty_db_url)
+    command.upgrade(config, "0005")
+    with connect(empty_db_url) as conn:
+        options = {name: set(values) for name, values in conn.execute(RELOPTIONS)}
+    assert "autovacuum_vacuum_scale_factor=0.01" in options["tasks"]
+    assert "autovacuum_analyze_threshold=5000" in options["tasks"]
+    assert "autovacuum_vacuum_threshold=1000" in options["company_queues"]
+    assert "autovacuum_vacuum_threshold=1000" in options["claim_cursor"]
+
+    command.downgrade(config, "0004")
+    with connect(empty_db_url) as conn:
+        assert list(conn.execute(RELOPTIONS)) == []
+
+
 def test_alembic_check_finds_no_difference_between_models_and_migrations(
     migrated_engine: Engine,
 ) -> None:

@@ -7,7 +7,6 @@ starts it again and checks that everything created before and after completes.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -22,11 +21,12 @@ import requests
 from alembic import command
 from sqlalchemy import Engine, text
 
-from db.embedded import EmbeddedPostgres, free_port
-from scripts import chaos, stack
+from devtools import chaos, stack
+from devtools.embedded_postgres import EmbeddedPostgres, free_port
+from devtools.webhook_receiver import Receiver
 from tests import pg
-from tests import supervisor_harness as harness
 from tests.conftest import ADMIN_TOKEN
+from tests.factories import insert_company, insert_tasks
 from tests.supervisor_harness import wait_for
 from worker import child
 
@@ -226,8 +226,8 @@ def test_a_child_lost_during_a_database_outage_is_replaced_once_the_database_ret
         own_postgres.start()
 
         # The supervisor kept going: the survivor works at once, a replacement boots.
-        company = harness.add_company(engine)
-        tasks = harness.add_tasks(engine, company, 10)
+        company = insert_company(engine).id
+        tasks = insert_tasks(engine, company, 10)
         wait_for(
             lambda: _statuses(engine, [str(t) for t in tasks]) == {"completed": 10},
             20,
@@ -253,15 +253,15 @@ def test_tasks_finished_during_a_short_outage_are_recorded_without_running_again
         running.callback(engine.dispose)
         # Each delivery takes 50 ms: the child is in the middle of a batch when the server
         # stops, and the batch ends before the server is back.
-        receiver = running.enter_context(chaos.Receiver(delay=0.05))
+        receiver = running.enter_context(Receiver(delay=0.05))
         sup = running.enter_context(
             stack.supervisor(url, tmp_path / "worker", concurrency=1, env=env)
         )
         wait_for(lambda: _listeners(engine) == 1, 15, "the child to boot and LISTEN")
-        company = harness.add_company(engine)
-        payload = json.dumps({"url": receiver.url})
-        tasks = [str(t) for t in harness.add_tasks(engine, company, 40, type="webhook",
-                                                   payload=payload)]  # fmt: skip
+        company = insert_company(engine).id
+        payload = {"url": receiver.url}
+        tasks = [str(t) for t in insert_tasks(engine, company, 40, task_type="webhook",
+                                              payload=payload)]  # fmt: skip
         wait_for(lambda: len(receiver.deliveries()) >= 3, 10, "the first deliveries")
 
         own_postgres.stop("fast")

@@ -24,10 +24,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from db import queue
 from db.engine import make_engine, make_sessionmaker
-from scripts import chaos
-from tests.factories import CreatedTask, MakeCompany, insert_company, insert_tasks, json_of
+from devtools.webhook_receiver import Receiver
+from tests.factories import CreatedTask, MakeCompany, insert_tasks, json_of
 from worker import processing, tasktypes
 from worker.errors import PermanentTaskError
+from worker.processing import completion_buffer, sweep
+from worker.settings import PassSettings
 from worker.tasktypes.base import HandlerConfig, TaskContext, TaskType
 from worker.tasktypes.noop import NoopPayload
 
@@ -76,13 +78,6 @@ def sessions(fresh_engine: Engine) -> sessionmaker[Session]:
 
 
 @pytest.fixture
-def company(sessions: sessionmaker[Session]) -> uuid.UUID:
-    """A company in the fresh database."""
-    with sessions() as session:
-        return insert_company(session).id
-
-
-@pytest.fixture
 def register(monkeypatch: pytest.MonkeyPatch) -> Register:
     """`register(name, handler)` adds a task type for this test only."""
 
@@ -92,14 +87,6 @@ def register(monkeypatch: pytest.MonkeyPatch) -> Register:
         )
 
     return add
-
-
-def add_tasks(
-    sessions: sessionmaker[Session], company: uuid.UUID, count: int, task_type: str, **kw: Any
-) -> list[uuid.UUID]:
-    """Insert `count` pending tasks of `task_type`; ids oldest first."""
-    with sessions() as session:
-        return insert_tasks(session, company, count, task_type=task_type, **kw)
 
 
 def rows(sessions: sessionmaker[Session], ids: list[uuid.UUID]) -> list[dict[str, Any]]:
@@ -129,13 +116,13 @@ def sweeping(sessions: sessionmaker[Session], stale_after: float) -> Iterator[li
     done = threading.Event()
     taken: list[uuid.UUID] = []
 
-    def sweep() -> None:
+    def compete() -> None:
         with sessions() as session:
             while not done.wait(0.05):
                 taken.extend(t.id for t in queue.expire_leases(session, stale_after=stale_after))
                 session.commit()
 
-    thread = threading.Thread(target=sweep)
+    thread = threading.Thread(target=compete)
     thread.start()
     try:
         yield taken
@@ -146,12 +133,12 @@ def sweeping(sessions: sessionmaker[Session], stale_after: float) -> Iterator[li
 
 def run_pass(sessions: sessionmaker[Session] | Engine, **kw: Any) -> processing.PassResult:
     """One pass with test defaults (batch 100, stale 300 s)."""
-    settings = kw.pop("settings", processing.PassDefaults())
-    return processing.process_batch(sessions, worker_id="test:1", settings=settings, **kw)
+    settings = kw.pop("settings", PassSettings())
+    return processing.run_pass(sessions, worker_id="test:1", settings=settings, **kw)
 
 
-def test_noop_tasks_complete(sessions: sessionmaker[Session], company: uuid.UUID) -> None:
-    ids = add_tasks(sessions, company, 5, "noop")
+def test_noop_tasks_complete(sessions: sessionmaker[Session], fresh_company_id: uuid.UUID) -> None:
+    ids = insert_tasks(sessions, fresh_company_id, 5, task_type="noop")
     observer = Recorder()
 
     result = run_pass(sessions, observer=observer)
@@ -169,13 +156,13 @@ def test_noop_tasks_complete(sessions: sessionmaker[Session], company: uuid.UUID
 
 
 def test_a_raising_handler_is_retried_later_with_its_error(
-    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
 ) -> None:
     def flaky(task: TaskContext) -> None:
         raise ConnectionError("smtp down")
 
     register("flaky", flaky)
-    [task_id] = add_tasks(sessions, company, 1, "flaky")
+    [task_id] = insert_tasks(sessions, fresh_company_id, 1, task_type="flaky")
     observer = Recorder()
 
     result = run_pass(sessions, observer=observer, rng=TopOfRange())
@@ -192,13 +179,13 @@ def test_a_raising_handler_is_retried_later_with_its_error(
 
 
 def test_the_last_attempt_fails_for_good(
-    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
 ) -> None:
     def flaky(task: TaskContext) -> None:
         raise TimeoutError
 
     register("flaky", flaky)
-    [task_id] = add_tasks(sessions, company, 1, "flaky", max_attempts=1)
+    [task_id] = insert_tasks(sessions, fresh_company_id, 1, task_type="flaky", max_attempts=1)
 
     assert run_pass(sessions) == processing.PassResult(claimed=1, failed=1)
     [stored] = rows(sessions, [task_id])
@@ -207,14 +194,14 @@ def test_the_last_attempt_fails_for_good(
 
 
 def test_permanent_errors_and_unknown_types_fail_without_retry(
-    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
 ) -> None:
     def refuse(task: TaskContext) -> None:
         raise PermanentTaskError("mailbox does not exist")
 
     register("refuse", refuse)
-    [refused] = add_tasks(sessions, company, 1, "refuse")
-    [unknown] = add_tasks(sessions, company, 1, "retired-type")
+    [refused] = insert_tasks(sessions, fresh_company_id, 1, task_type="refuse")
+    [unknown] = insert_tasks(sessions, fresh_company_id, 1, task_type="retired-type")
     observer = Recorder()
 
     assert run_pass(sessions, observer=observer) == processing.PassResult(claimed=2, failed=2)
@@ -228,28 +215,30 @@ def test_permanent_errors_and_unknown_types_fail_without_retry(
 
 
 def test_handlers_get_the_attempt_payload_and_config(
-    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
 ) -> None:
     seen: list[TaskContext] = []
     register("spy", seen.append)
-    [task_id] = add_tasks(sessions, company, 1, "spy", payload={"to": "a@example.com"})
+    [task_id] = insert_tasks(
+        sessions, fresh_company_id, 1, task_type="spy", payload={"to": "a@example.com"}
+    )
     config = HandlerConfig(smtp_from="ops@example.com")
 
-    run_pass(sessions, settings=processing.PassDefaults(handler_config=config))
+    run_pass(sessions, settings=PassSettings(handler_config=config))
 
     [context] = seen
-    assert (context.task_id, context.company_id) == (task_id, company)
+    assert (context.task_id, context.company_id) == (task_id, fresh_company_id)
     assert (context.type, context.attempt, context.max_attempts) == ("spy", 1, 5)
     assert context.payload == {"to": "a@example.com"}
     assert context.config is config
 
 
 def test_stop_mid_batch_releases_the_rest_with_attempts_restored(
-    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
 ) -> None:
     stop = threading.Event()
     register("stopper", lambda task: stop.set())
-    ids = add_tasks(sessions, company, 5, "stopper")
+    ids = insert_tasks(sessions, fresh_company_id, 5, task_type="stopper")
     before = rows(sessions, ids)
     observer = Recorder()
 
@@ -267,15 +256,15 @@ def test_stop_mid_batch_releases_the_rest_with_attempts_restored(
 
 
 def test_a_set_stop_flag_claims_nothing(
-    sessions: sessionmaker[Session], company: uuid.UUID
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID
 ) -> None:
-    [task_id] = add_tasks(sessions, company, 1, "noop")
+    [task_id] = insert_tasks(sessions, fresh_company_id, 1, task_type="noop")
     assert run_pass(sessions, stop=lambda: True) == processing.PassResult()
     assert rows(sessions, [task_id])[0]["status"] == "pending"
 
 
 def test_keyboard_interrupt_propagates_after_releasing_the_unstarted_rest(
-    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
 ) -> None:
     calls: list[uuid.UUID] = []
 
@@ -285,7 +274,7 @@ def test_keyboard_interrupt_propagates_after_releasing_the_unstarted_rest(
             raise KeyboardInterrupt
 
     register("interruptible", interrupted_second_time)
-    ids = add_tasks(sessions, company, 4, "interruptible")
+    ids = insert_tasks(sessions, fresh_company_id, 4, task_type="interruptible")
 
     with pytest.raises(KeyboardInterrupt):
         run_pass(sessions)
@@ -298,7 +287,7 @@ def test_keyboard_interrupt_propagates_after_releasing_the_unstarted_rest(
 
 
 def test_a_lease_taken_over_during_the_handler_is_counted_as_lost(
-    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
 ) -> None:
     def overtaken(task: TaskContext) -> None:
         # Another worker declares this lease dead and claims the task meanwhile.
@@ -312,7 +301,7 @@ def test_a_lease_taken_over_during_the_handler_is_counted_as_lost(
             assert taken.id == task.task_id
 
     register("overtaken", overtaken)
-    [task_id] = add_tasks(sessions, company, 1, "overtaken")
+    [task_id] = insert_tasks(sessions, fresh_company_id, 1, task_type="overtaken")
     observer = Recorder()
 
     assert run_pass(sessions, observer=observer) == processing.PassResult(claimed=1, lease_lost=1)
@@ -324,7 +313,7 @@ def test_a_lease_taken_over_during_the_handler_is_counted_as_lost(
 
 
 def test_a_task_whose_lease_the_heartbeat_found_taken_over_is_not_started(
-    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
 ) -> None:
     """Running it would process it twice at once (design §1.2); it is skipped and counted."""
     started: list[uuid.UUID] = []
@@ -342,9 +331,11 @@ def test_a_task_whose_lease_the_heartbeat_found_taken_over_is_not_started(
 
     register("first", first)
     register("second", lambda task: started.append(task.task_id))
-    [first_id] = add_tasks(sessions, company, 1, "first", newest_age_seconds=60)
-    [second_id] = add_tasks(sessions, company, 1, "second")
-    settings = processing.PassDefaults(stale_after=2.0, heartbeat_interval=0.1)
+    [first_id] = insert_tasks(
+        sessions, fresh_company_id, 1, task_type="first", newest_age_seconds=60
+    )
+    [second_id] = insert_tasks(sessions, fresh_company_id, 1, task_type="second")
+    settings = PassSettings(stale_after=2.0, heartbeat_interval=0.1)
 
     result = run_pass(sessions, settings=settings)
 
@@ -355,25 +346,25 @@ def test_a_task_whose_lease_the_heartbeat_found_taken_over_is_not_started(
 
 
 def test_completions_are_written_while_a_later_task_still_runs(
-    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
 ) -> None:
-    """Batched completions wait about COMPLETION_FLUSH_SECONDS, not for the pass to end."""
+    """Batched completions wait about FLUSH_AFTER_SECONDS, not for the pass to end."""
     seen_by_slow: list[str] = []
 
     def slow(task: TaskContext) -> None:
-        time.sleep(processing.COMPLETION_FLUSH_SECONDS * 5)
+        time.sleep(completion_buffer.FLUSH_AFTER_SECONDS * 5)
         seen_by_slow.append(rows(sessions, [fast_id])[0]["status"])
 
     register("slow", slow)
-    [fast_id] = add_tasks(sessions, company, 1, "noop", newest_age_seconds=60)
-    add_tasks(sessions, company, 1, "slow")
+    [fast_id] = insert_tasks(sessions, fresh_company_id, 1, task_type="noop", newest_age_seconds=60)
+    insert_tasks(sessions, fresh_company_id, 1, task_type="slow")
 
     assert run_pass(sessions) == processing.PassResult(claimed=2, completed=2)
     assert seen_by_slow == ["completed"]
 
 
 def test_an_unstarted_task_the_keeper_saw_taken_over_counts_as_lost_when_stopping(
-    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
 ) -> None:
     stop = threading.Event()
 
@@ -389,9 +380,11 @@ def test_an_unstarted_task_the_keeper_saw_taken_over_counts_as_lost_when_stoppin
         stop.set()
 
     register("first", first)
-    [_first_id] = add_tasks(sessions, company, 1, "first", newest_age_seconds=60)
-    [second_id] = add_tasks(sessions, company, 1, "noop")
-    settings = processing.PassDefaults(stale_after=2.0, heartbeat_interval=0.1)
+    [_first_id] = insert_tasks(
+        sessions, fresh_company_id, 1, task_type="first", newest_age_seconds=60
+    )
+    [second_id] = insert_tasks(sessions, fresh_company_id, 1, task_type="noop")
+    settings = PassSettings(stale_after=2.0, heartbeat_interval=0.1)
     observer = Recorder()
 
     result = run_pass(sessions, settings=settings, stop=stop, observer=observer)
@@ -402,7 +395,7 @@ def test_an_unstarted_task_the_keeper_saw_taken_over_counts_as_lost_when_stoppin
     assert (stored["status"], stored["locked_by"]) == ("processing", "other:2")
 
 
-# -- database errors: nothing owed is dropped -----------------------------------------------
+# -- database errors: nothing unwritten is dropped ------------------------------------------
 
 
 def _database_down() -> OperationalError:
@@ -411,7 +404,7 @@ def _database_down() -> OperationalError:
 
 def test_a_database_error_before_a_task_starts_releases_that_task_unrun(
     sessions: sessionmaker[Session],
-    company: uuid.UUID,
+    fresh_company_id: uuid.UUID,
     register: Register,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -430,8 +423,8 @@ def test_a_database_error_before_a_task_starts_releases_that_task_unrun(
     real_heartbeat = queue.heartbeat
     monkeypatch.setattr(queue, "heartbeat", heartbeat_fails_in_the_pass)
     register("slow", slow)
-    ids = add_tasks(sessions, company, 3, "slow", max_attempts=1)
-    settings = processing.PassDefaults(stale_after=0.4, heartbeat_interval=0.35)
+    ids = insert_tasks(sessions, fresh_company_id, 3, task_type="slow", max_attempts=1)
+    settings = PassSettings(stale_after=0.4, heartbeat_interval=0.35)
     observer = Recorder()
 
     with pytest.raises(OperationalError):
@@ -446,9 +439,9 @@ def test_a_database_error_before_a_task_starts_releases_that_task_unrun(
     assert ("released", 2) in observer.calls
 
 
-def test_work_owed_after_a_database_error_is_written_by_the_next_pass_and_not_run_again(
+def test_outcomes_a_database_error_left_unwritten_are_written_by_the_next_pass_not_rerun(
     sessions: sessionmaker[Session],
-    company: uuid.UUID,
+    fresh_company_id: uuid.UUID,
     register: Register,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -466,27 +459,27 @@ def test_work_owed_after_a_database_error_is_written_by_the_next_pass_and_not_ru
     for name in ("complete_tasks", "release_tasks"):
         monkeypatch.setattr(queue, name, while_down(getattr(queue, name)))
     register("counted", lambda task: runs.append(task.task_id))
-    ids = add_tasks(sessions, company, 3, "counted")
-    owed = processing.Owed()
+    ids = insert_tasks(sessions, fresh_company_id, 3, task_type="counted")
+    unwritten = processing.UnwrittenOutcomes()
     observer = Recorder()
 
     # The first task runs, then the pass stops; neither its completion nor the release of
     # the other two can be written.
     with pytest.raises(OperationalError):
-        run_pass(sessions, stop=lambda: len(runs) == 1, owed=owed, observer=observer)
-    assert (owed.completions, owed.releases) == (1, 2)
-    # Still down: the next pass writes nothing, claims nothing, and keeps it all owed.
+        run_pass(sessions, stop=lambda: len(runs) == 1, unwritten=unwritten, observer=observer)
+    assert (unwritten.completions, unwritten.releases) == (1, 2)
+    # Still down: the next pass writes nothing, claims nothing, and keeps it all unwritten.
     with pytest.raises(OperationalError):
-        run_pass(sessions, owed=owed, observer=observer)
-    assert (owed.completions, owed.releases) == (1, 2)
+        run_pass(sessions, unwritten=unwritten, observer=observer)
+    assert (unwritten.completions, unwritten.releases) == (1, 2)
     assert [(r["status"], r["attempts"]) for r in rows(sessions, ids)] == [("processing", 1)] * 3
     assert not [c for c in observer.calls if c[0] in ("completed", "released")]
 
     down = False
-    result = run_pass(sessions, owed=owed, observer=observer)
+    result = run_pass(sessions, unwritten=unwritten, observer=observer)
 
-    assert not owed
-    # The owed completion and releases first, then the released two are claimed and run.
+    assert not unwritten
+    # The unwritten completion and releases first, then the released two are claimed and run.
     assert result == processing.PassResult(claimed=2, completed=3, released=2)
     assert sorted(runs) == sorted(ids)
     assert [r["status"] for r in rows(sessions, ids)] == ["completed"] * 3
@@ -494,22 +487,22 @@ def test_work_owed_after_a_database_error_is_written_by_the_next_pass_and_not_ru
     assert observer.calls.count(("released", 2)) == 1
 
 
-def test_write_owed_writes_what_a_failed_pass_kept(
-    sessions: sessionmaker[Session], company: uuid.UUID, monkeypatch: pytest.MonkeyPatch
+def test_write_unwritten_writes_what_a_failed_pass_kept(
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def complete_fails(session: Session, leases: Any) -> set[uuid.UUID]:
         raise _database_down()
 
-    ids = add_tasks(sessions, company, 2, "noop")
-    owed = processing.Owed()
+    ids = insert_tasks(sessions, fresh_company_id, 2, task_type="noop")
+    unwritten = processing.UnwrittenOutcomes()
     with monkeypatch.context() as patched:
         patched.setattr(queue, "complete_tasks", complete_fails)
         with pytest.raises(OperationalError):
-            run_pass(sessions, owed=owed)
-    assert owed.completions == 2
+            run_pass(sessions, unwritten=unwritten)
+    assert unwritten.completions == 2
 
-    assert processing.write_owed(sessions, owed) == processing.PassResult(completed=2)
-    assert not owed
+    assert processing.write_unwritten(sessions, unwritten) == processing.PassResult(completed=2)
+    assert not unwritten
     assert [r["status"] for r in rows(sessions, ids)] == ["completed"] * 2
 
 
@@ -517,12 +510,15 @@ def test_write_owed_writes_what_a_failed_pass_kept(
 
 
 def test_a_pass_given_an_engine_checks_out_one_connection_for_all_its_writes(
-    fresh_engine: Engine, company: uuid.UUID, sessions: sessionmaker[Session], register: Register
+    fresh_engine: Engine,
+    fresh_company_id: uuid.UUID,
+    sessions: sessionmaker[Session],
+    register: Register,
 ) -> None:
     """Sweep, claim, the keeper's flushes and the final ones share one checkout (one ping)."""
-    register("slow", lambda task: time.sleep(processing.COMPLETION_FLUSH_SECONDS * 3))
-    add_tasks(sessions, company, 2, "noop", newest_age_seconds=60)
-    add_tasks(sessions, company, 1, "slow")
+    register("slow", lambda task: time.sleep(completion_buffer.FLUSH_AFTER_SECONDS * 3))
+    insert_tasks(sessions, fresh_company_id, 2, task_type="noop", newest_age_seconds=60)
+    insert_tasks(sessions, fresh_company_id, 1, task_type="slow")
     checkouts: list[object] = []
 
     def checkout(*args: object) -> None:
@@ -538,10 +534,10 @@ def test_a_pass_given_an_engine_checks_out_one_connection_for_all_its_writes(
 
 
 def test_a_sweep_schedule_sweeps_expired_leases_only_when_due(
-    fresh_engine: Engine, company: uuid.UUID, sessions: sessionmaker[Session]
+    fresh_engine: Engine, fresh_company_id: uuid.UUID, sessions: sessionmaker[Session]
 ) -> None:
     def lease_expired_task() -> uuid.UUID:
-        [task_id] = add_tasks(sessions, company, 1, "noop")
+        [task_id] = insert_tasks(sessions, fresh_company_id, 1, task_type="noop")
         with sessions() as session:
             [claimed] = queue.claim(session, worker_id="dead:1", batch_size=1)
             session.execute(
@@ -555,10 +551,11 @@ def test_a_sweep_schedule_sweeps_expired_leases_only_when_due(
     schedule = processing.SweepSchedule(interval=3600)
     first = lease_expired_task()
     # Due at first: the expired lease is taken back, then claimed and run by the same pass.
-    assert run_pass(fresh_engine, sweep=schedule) == processing.PassResult(claimed=1, completed=1)
+    result = run_pass(fresh_engine, sweep_schedule=schedule)
+    assert result == processing.PassResult(claimed=1, completed=1)
     second = lease_expired_task()
     # Not due again for an hour: the second expired lease waits.
-    assert run_pass(fresh_engine, sweep=schedule) == processing.PassResult()
+    assert run_pass(fresh_engine, sweep_schedule=schedule) == processing.PassResult()
     assert [(r["status"], r["locked_by"]) for r in rows(sessions, [first, second])] == [
         ("completed", None), ("processing", "dead:1"),
     ]  # fmt: skip
@@ -567,25 +564,26 @@ def test_a_sweep_schedule_sweeps_expired_leases_only_when_due(
 
 
 def test_the_child_sweeps_at_least_every_tenth_of_the_stale_window() -> None:
-    assert processing.SweepSchedule.for_stale_window(300).interval == (
-        processing.SWEEP_INTERVAL_SECONDS
-    )
+    assert processing.SweepSchedule.for_stale_window(300).interval == sweep.SWEEP_INTERVAL_SECONDS
     assert processing.SweepSchedule.for_stale_window(2).interval == pytest.approx(0.2)
 
 
 @pytest.mark.slow
 def test_one_lease_keeper_heartbeats_for_pass_after_pass(
-    fresh_engine: Engine, company: uuid.UUID, sessions: sessionmaker[Session], register: Register
+    fresh_engine: Engine,
+    fresh_company_id: uuid.UUID,
+    sessions: sessionmaker[Session],
+    register: Register,
 ) -> None:
     """Two passes with one keeper: each long task outlives the stale window, none is lost."""
     stale, task_seconds = 0.6, 1.0
     register("long", lambda task: time.sleep(task_seconds))
-    settings = processing.PassDefaults(stale_after=stale, heartbeat_interval=0.1)
+    settings = PassSettings(stale_after=stale, heartbeat_interval=0.1)
     keeper = processing.LeaseKeeper()
     with sweeping(sessions, stale) as stolen:
         try:
             for _ in range(2):
-                add_tasks(sessions, company, 1, "long")
+                insert_tasks(sessions, fresh_company_id, 1, task_type="long")
                 result = run_pass(fresh_engine, settings=settings, keeper=keeper)
                 assert result == processing.PassResult(claimed=1, completed=1)
         finally:
@@ -595,7 +593,7 @@ def test_one_lease_keeper_heartbeats_for_pass_after_pass(
 
 def test_the_lease_keeper_logs_a_database_outage_once_not_every_tick(
     sessions: sessionmaker[Session],
-    company: uuid.UUID,
+    fresh_company_id: uuid.UUID,
     register: Register,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
@@ -605,8 +603,8 @@ def test_the_lease_keeper_logs_a_database_outage_once_not_every_tick(
 
     monkeypatch.setattr(queue, "complete_tasks", complete_fails)
     register("slow", lambda task: time.sleep(0.6))  # about ten keeper ticks of failed flushes
-    add_tasks(sessions, company, 1, "noop", newest_age_seconds=60)
-    add_tasks(sessions, company, 1, "slow")
+    insert_tasks(sessions, fresh_company_id, 1, task_type="noop", newest_age_seconds=60)
+    insert_tasks(sessions, fresh_company_id, 1, task_type="slow")
 
     with (
         caplog.at_level("WARNING", logger="fairq.worker.processing"),
@@ -646,7 +644,7 @@ def test_worker_engines_bound_statements_and_detect_dead_peers(fresh_db_url: str
 
 @pytest.mark.slow
 def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
-    sessions: sessionmaker[Session], company: uuid.UUID, register: Register
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
 ) -> None:
     """A 30 s task with a 10 s stale window and 2 s heartbeats, time-scaled by 1/10.
 
@@ -655,8 +653,8 @@ def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
     """
     stale, task_seconds, beat = 1.0, 3.0, 0.2
     register("long", lambda task: time.sleep(task_seconds))
-    [task_id] = add_tasks(sessions, company, 1, "long")
-    settings = processing.PassDefaults(stale_after=stale, heartbeat_interval=beat)
+    [task_id] = insert_tasks(sessions, fresh_company_id, 1, task_type="long")
+    settings = PassSettings(stale_after=stale, heartbeat_interval=beat)
     with sweeping(sessions, stale) as stolen:
         result = run_pass(sessions, settings=settings)
 
@@ -666,7 +664,7 @@ def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
     assert (stored["status"], stored["attempts"]) == ("completed", 1)
 
     # Control: the same lease without heartbeats is taken over after the stale window.
-    [orphan] = add_tasks(sessions, company, 1, "long")
+    [orphan] = insert_tasks(sessions, fresh_company_id, 1, task_type="long")
     with sessions() as session:
         queue.claim(session, worker_id="dies:1", batch_size=1)
         session.commit()
@@ -680,18 +678,21 @@ def _pass_in_child(url: str) -> None:
     # A forked child builds its own engine (STACK "Forking"); the handler kills the process.
     engine = make_engine(url, application_name="dying-worker")
     try:
-        processing.process_batch(engine, worker_id=f"child:{os.getpid()}")
+        processing.run_pass(engine, worker_id=f"child:{os.getpid()}")
     finally:
         engine.dispose()
 
 
 @pytest.mark.slow
 def test_a_task_that_kills_its_worker_every_time_ends_failed(
-    sessions: sessionmaker[Session], company: uuid.UUID, register: Register, fresh_db_url: str
+    sessions: sessionmaker[Session],
+    fresh_company_id: uuid.UUID,
+    register: Register,
+    fresh_db_url: str,
 ) -> None:
     """Real worker processes die inside the handler; after max_attempts the sweep fails it."""
     register("fatal", lambda task: os._exit(13))
-    [task_id] = add_tasks(sessions, company, 1, "fatal", max_attempts=3)
+    [task_id] = insert_tasks(sessions, fresh_company_id, 1, task_type="fatal", max_attempts=3)
     context = multiprocessing.get_context("fork")
     for attempt in (1, 2, 3):
         child = context.Process(target=_pass_in_child, args=(fresh_db_url,))
@@ -759,7 +760,7 @@ def test_post_workers_process_runs_handlers_with_the_api_handler_settings(
     monkeypatch.setitem(app.config, "FAIRQ_SETTINGS", settings)
     company = make_company()
 
-    with chaos.Receiver() as receiver:
+    with Receiver() as receiver:
         task = created_task(company, "webhook", {"url": receiver.url})
         response = app.test_client().post("/workers/process", headers=admin_headers)
         deliveries = receiver.deliveries()
@@ -796,7 +797,7 @@ def worker_engine(fresh_db_url: str) -> Iterator[Engine]:
 
 def test_a_retry_is_written_when_the_held_connection_died_during_the_handler(
     sessions: sessionmaker[Session],
-    company: uuid.UUID,
+    fresh_company_id: uuid.UUID,
     worker_engine: Engine,
     fresh_engine: Engine,
     register: Register,
@@ -815,11 +816,14 @@ def test_a_retry_is_written_when_the_held_connection_died_during_the_handler(
         raise RuntimeError("webhook target answered 502")
 
     register("flaky", connection_dies_then_handler_fails)
-    [task_id] = add_tasks(sessions, company, 1, "flaky")
+    [task_id] = insert_tasks(sessions, fresh_company_id, 1, task_type="flaky")
     keeper = processing.LeaseKeeper()
     try:
-        result = processing.process_batch(
-            worker_engine, worker_id="test:1", owed=processing.Owed(), keeper=keeper
+        result = processing.run_pass(
+            worker_engine,
+            worker_id="test:1",
+            unwritten=processing.UnwrittenOutcomes(),
+            keeper=keeper,
         )
     finally:
         keeper.close()
@@ -832,12 +836,12 @@ def test_a_retry_is_written_when_the_held_connection_died_during_the_handler(
 
 def test_a_sweep_that_hit_its_limit_sweeps_again_on_the_next_pass(
     sessions: sessionmaker[Session],
-    company: uuid.UUID,
+    fresh_company_id: uuid.UUID,
     worker_engine: Engine,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with sessions() as session:
-        ids = insert_tasks(session, company, 3, task_type="noop")
+        ids = insert_tasks(session, fresh_company_id, 3, task_type="noop")
         session.execute(
             text(
                 "UPDATE tasks SET status = 'processing', attempts = 1, "
@@ -848,15 +852,15 @@ def test_a_sweep_that_hit_its_limit_sweeps_again_on_the_next_pass(
             {"ids": ids},
         )
         session.commit()
-    monkeypatch.setattr(processing, "SWEEP_LIMIT", 2)  # stands for 1000
+    monkeypatch.setattr(sweep, "SWEEP_LIMIT", 2)  # stands for 1000
     schedule = processing.SweepSchedule(interval=3600)
-    settings = processing.PassDefaults(batch_size=1)
+    settings = PassSettings(batch_size=1)
 
-    first = processing.process_batch(
-        worker_engine, worker_id="test:1", settings=settings, sweep=schedule
+    first = processing.run_pass(
+        worker_engine, worker_id="test:1", settings=settings, sweep_schedule=schedule
     )
-    second = processing.process_batch(
-        worker_engine, worker_id="test:1", settings=settings, sweep=schedule
+    second = processing.run_pass(
+        worker_engine, worker_id="test:1", settings=settings, sweep_schedule=schedule
     )
 
     assert (first.claimed, second.claimed) == (1, 1)

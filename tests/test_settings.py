@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from api.settings import ApiSettings
 from worker import cli
-from worker.settings import SettingsError, WorkerSettings
+from worker.environment import SettingsError
+from worker.settings import PassSettings, WorkerSettings
 
 URL = "postgresql+psycopg://fairq@db.example/fairq"
 TOKEN = "a-sufficiently-long-admin-token"
@@ -191,3 +195,51 @@ def test_worker_metrics_host_defaults_to_every_interface_and_can_be_narrowed() -
     assert WorkerSettings.from_env({"DATABASE_URL": url}).metrics_host == "0.0.0.0"
     narrowed = WorkerSettings.from_env({"DATABASE_URL": url, "WORKER_METRICS_HOST": "127.0.0.1"})
     assert narrowed.metrics_host == "127.0.0.1"
+
+
+def test_the_api_and_a_pass_default_to_the_worker_values_of_the_variables_they_share() -> None:
+    worker = WorkerSettings.from_env({"DATABASE_URL": URL})
+    api = ApiSettings.from_env({"DATABASE_URL": URL})
+
+    assert (api.stale_after_seconds, api.notify_channel) == (
+        worker.stale_after, worker.notify_channel,
+    )  # fmt: skip
+    assert (api.log_level, api.log_format) == (worker.log_level, worker.log_format)
+    assert api.handler_config == worker.handler_config
+    assert ApiSettings(database_url=URL) == api
+    assert WorkerSettings(database_url=URL) == worker
+    # What a pass reads of WorkerSettings, PassSettings() holds by default.
+    assert PassSettings() == PassSettings(
+        worker.batch_size, worker.stale_after, worker.heartbeat_interval, worker.handler_config
+    )
+
+
+def test_help_shows_each_flag_default_of_the_worker_settings() -> None:
+    usage = " ".join(cli.build_parser().format_help().split())
+
+    for flag in cli.FLAGS:
+        assert f"env {flag.variable}, default {flag.default}" in usage
+    assert "env WORKER_BATCH_SIZE, default 100" in usage
+
+
+def readme_defaults() -> dict[str, str]:
+    """`variable: first word of its default` from README's Configuration table."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    rows = re.findall(r"^\| `([A-Z_]+)` \| ([^|]+) \|", readme, flags=re.MULTILINE)
+    return {name: cell.split()[0].strip("`") for name, cell in rows}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "WORKER_CONCURRENCY", "WORKER_BATCH_SIZE", "WORKER_POLL_INTERVAL", "STALE_AFTER_SECONDS",
+        "SHUTDOWN_TIMEOUT_SECONDS", "WORKER_BOOT_TIMEOUT_SECONDS", "WORKER_METRICS_PORT",
+        "WORKER_METRICS_HOST", "SMTP_URL", "SMTP_FROM", "WEBHOOK_ALLOW_PRIVATE",
+        "WEBHOOK_TIMEOUT_SECONDS", "TASK_RETENTION_DAYS", "NOTIFY_CHANNEL", "LOG_LEVEL",
+        "LOG_FORMAT",
+    ],
+)  # fmt: skip
+def test_the_readme_states_each_default_the_settings_have(name: str) -> None:
+    stated = {"DATABASE_URL": URL, name: readme_defaults()[name]}
+
+    assert WorkerSettings.from_env(stated) == WorkerSettings.from_env({"DATABASE_URL": URL})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,16 +13,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 from sqlalchemy import Engine
 
-from db.embedded import free_port
+from devtools.embedded_postgres import free_port
 from tests import supervisor_harness as harness
+from tests.factories import insert_company, insert_tasks
 from tests.supervisor_harness import RunningSupervisor, StartSupervisor, wait_for
 from worker import supervisor as supervisor_module
-
-
-@pytest.fixture
-def supervisor(tmp_path: Path, fresh_db_url: str) -> Iterator[StartSupervisor]:
-    """`supervisor(*flags, **env)` runs `python -m worker` on the fresh database."""
-    yield from harness.supervisors(tmp_path, fresh_db_url)
 
 
 def test_ttin_adds_a_child_and_ttou_never_goes_below_one(supervisor: StartSupervisor) -> None:
@@ -85,11 +80,11 @@ def test_hup_replaces_every_child_keeping_the_count(supervisor: StartSupervisor)
 def test_sigkilled_child_is_replaced_and_its_task_runs_again(
     supervisor: StartSupervisor, fresh_engine: Engine
 ) -> None:
-    company = harness.add_company(fresh_engine)
-    (slow,) = harness.add_tasks(
-        fresh_engine, company, type="sleep", payload='{"seconds": 1}', age_seconds=60
+    company = insert_company(fresh_engine).id
+    (slow,) = insert_tasks(
+        fresh_engine, company, task_type="sleep", payload={"seconds": 1}, newest_age_seconds=60
     )
-    quick = harness.add_tasks(fresh_engine, company, 5)
+    quick = insert_tasks(fresh_engine, company, 5)
     sup = supervisor("--concurrency", "1", "--batch-size", "1")
     (victim,) = sup.wait_children(1)
     wait_for(
@@ -137,12 +132,12 @@ def _released_total(multiproc_dir: Path) -> float:
 def test_sigterm_finishes_the_task_in_hand_and_releases_the_rest(
     supervisor: StartSupervisor, fresh_engine: Engine
 ) -> None:
-    company = harness.add_company(fresh_engine)
+    company = insert_company(fresh_engine).id
     # The oldest runs first: 1.5 s of sleep, then nine tasks the batch holds but never starts.
-    (first,) = harness.add_tasks(
-        fresh_engine, company, type="sleep", payload='{"seconds": 1.5}', age_seconds=60
+    (first,) = insert_tasks(
+        fresh_engine, company, task_type="sleep", payload={"seconds": 1.5}, newest_age_seconds=60
     )
-    rest = harness.add_tasks(fresh_engine, company, 9, age_seconds=30)
+    rest = insert_tasks(fresh_engine, company, 9, newest_age_seconds=30)
     sup = supervisor(
         "--concurrency", "1", "--batch-size", "10",
         SHUTDOWN_TIMEOUT_SECONDS="10",
@@ -169,8 +164,8 @@ def test_sigterm_finishes_the_task_in_hand_and_releases_the_rest(
 def test_child_stuck_past_shutdown_timeout_is_killed(
     supervisor: StartSupervisor, fresh_engine: Engine
 ) -> None:
-    company = harness.add_company(fresh_engine)
-    (stuck,) = harness.add_tasks(fresh_engine, company, type="sleep", payload='{"seconds": 60}')
+    company = insert_company(fresh_engine).id
+    (stuck,) = insert_tasks(fresh_engine, company, task_type="sleep", payload={"seconds": 60})
     sup = supervisor("--concurrency", "1", SHUTDOWN_TIMEOUT_SECONDS="1")
     (child,) = sup.wait_children(1)
     wait_for(
@@ -191,8 +186,8 @@ def test_child_stuck_past_shutdown_timeout_is_killed(
 def test_sigquit_stops_within_about_a_second(
     supervisor: StartSupervisor, fresh_engine: Engine
 ) -> None:
-    company = harness.add_company(fresh_engine)
-    harness.add_tasks(fresh_engine, company, type="sleep", payload='{"seconds": 60}')
+    company = insert_company(fresh_engine).id
+    insert_tasks(fresh_engine, company, task_type="sleep", payload={"seconds": 60})
     sup = supervisor("--concurrency", "2", SHUTDOWN_TIMEOUT_SECONDS="30")
     sup.wait_ready(2)
     wait_for(
@@ -259,3 +254,20 @@ def test_a_child_that_ran_a_while_is_replaced_without_backoff(
     assert sup.log().rstrip().count("replacing it in 0.25s") == 2
     sup.send(signal.SIGTERM)
     assert sup.wait(15) == 0
+
+
+def test_without_a_metrics_directory_children_write_to_a_temporary_one_removed_at_exit(
+    supervisor: StartSupervisor, tmp_path: Path
+) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    sup = supervisor("--concurrency", "1", PROMETHEUS_MULTIPROC_DIR=None, TMPDIR=str(tmp))
+    sup.wait_ready(1)
+    [made] = tmp.glob("fairq-worker-metrics-*")
+    # Exported before the fork (worker.metrics_dir): the child's counters are files there.
+    wait_for(lambda: list(made.glob("counter_*.db")), 5, "the child's metrics files")
+    assert sup.metrics()["worker_children"] == 1
+
+    sup.send(signal.SIGTERM)
+    assert sup.wait(15) == 0
+    assert not made.exists()

@@ -14,7 +14,7 @@ from flask import Flask
 from flask.testing import FlaskClient
 
 from api import database
-from db.embedded import free_port
+from devtools.embedded_postgres import free_port
 from tests.conftest import make_test_app
 from tests.factories import json_of
 
@@ -28,8 +28,7 @@ def offline_client() -> Iterator[FlaskClient]:
     """A client of an app whose DATABASE_URL points at a closed port."""
     app = make_test_app(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/nowhere")
     yield app.test_client()
-    with app.app_context():
-        database.engine().dispose()
+    database.engine_of(app).dispose()
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +88,7 @@ def test_ready_is_503_within_seconds_when_the_database_does_not_answer(
         response = app.test_client().get("/ready")
         elapsed = time.monotonic() - started
     finally:
-        with app.app_context():
-            database.engine().dispose()
+        database.engine_of(app).dispose()
 
     assert response.status_code == 503
     assert json_of(response) == {"status": "unavailable", "database": "unreachable"}

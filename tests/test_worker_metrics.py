@@ -6,8 +6,7 @@ import json
 import math
 import os
 import signal
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,15 +14,10 @@ import requests
 from sqlalchemy import Engine, text
 
 from tests import supervisor_harness as harness
+from tests.factories import insert_company, insert_tasks
 from tests.supervisor_harness import StartSupervisor, wait_for
 
 BATCH_SIZE = 20
-
-
-@pytest.fixture
-def supervisor(tmp_path: Path, fresh_db_url: str) -> Iterator[StartSupervisor]:
-    """`supervisor(*flags, **env)` runs `python -m worker` on the fresh database."""
-    yield from harness.supervisors(tmp_path, fresh_db_url)
 
 
 @pytest.mark.slow
@@ -41,9 +35,9 @@ def test_completed_total_matches_the_database_across_a_child_kill(
     supervisor: StartSupervisor, fresh_engine: Engine
 ) -> None:
     for index in range(10):
-        company = harness.add_company(fresh_engine, f"company-{index}")
+        company = insert_company(fresh_engine, f"company-{index}").id
         # 10 ms each: a batch is in hand for ~200 ms, the gap between passes is ~1 ms.
-        harness.add_tasks(fresh_engine, company, 100, type="sleep", payload='{"seconds": 0.01}')
+        insert_tasks(fresh_engine, company, 100, task_type="sleep", payload={"seconds": 0.01})
     sup = supervisor("--concurrency", "2", "--batch-size", str(BATCH_SIZE))
     victim = sup.wait_children(2)[0]
     wait_for(

@@ -15,9 +15,9 @@ Forked by `worker.supervisor`. In order, a child:
    correct. A transient database error never ends the child: it logs, backs off (0.5 s
    doubling to 10 s) and tries again, so a PostgreSQL restart costs a few seconds, not the
    process. What the interrupted pass could not write (completions, releases of unstarted
-   tasks) stays owed (`processing.Owed`): the next pass writes it before it claims, so those
-   tasks neither wait out their leases nor run again. Every statement of the child's engine
-   is bounded by `processing.WORKER_STATEMENT_TIMEOUT_MS`;
+   tasks) stays unwritten (`processing.UnwrittenOutcomes`): the next pass writes it before
+   it claims, so those tasks neither wait out their leases nor run again. Every statement
+   of the child's engine is bounded by `processing.WORKER_STATEMENT_TIMEOUT_MS`;
 4. stops when the stop flag is set (the pass finishes the task in hand and releases the rest
    of its batch) or when its parent is gone (`os.getppid()` changed; looked at before a
    task at most every `ORPHAN_POLL_SECONDS`, a system call saved on nearly every task, and
@@ -57,7 +57,9 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from db import engine as db_engine
+from db import errors as db_errors
 from db import maintenance
+from worker import backoff
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -116,32 +118,6 @@ def reset_inherited_signals() -> None:
 def main(settings: WorkerSettings, inherited: Inherited) -> int:
     """Run a child until it is told to stop or orphaned; return its exit status."""
     return Child(settings, inherited).run()
-
-
-class _Backoff:
-    """Capped exponential delays: `minimum`, twice that, ... up to `maximum`."""
-
-    def __init__(self, minimum: float, maximum: float) -> None:
-        self._minimum = minimum
-        self._maximum = maximum
-        self._next = minimum
-
-    def next(self) -> float:
-        """The delay to wait now; the following one doubles."""
-        delay = self._next
-        self._next = min(self._next * 2, self._maximum)
-        return delay
-
-    def reset(self) -> None:
-        """Back to the minimum after a success."""
-        self._next = self._minimum
-
-
-def _brief(exc: BaseException) -> str:
-    """The first line of a driver error, without SQLAlchemy's statement dump."""
-    inner = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
-    first = str(inner).strip().splitlines()
-    return f"{type(inner).__name__}: {first[0] if first else ''}"
 
 
 class Listener:
@@ -210,12 +186,12 @@ class Child:
         self._engine: Engine | None = None
         self._sessions: sessionmaker[Session] | None = None
         self._metrics: metrics.TaskMetrics | None = None
-        self._owed: processing.Owed | None = None
-        self._sweep: processing.SweepSchedule | None = None
+        self._unwritten: processing.UnwrittenOutcomes | None = None
+        self._sweep_schedule: processing.SweepSchedule | None = None
         self._keeper: processing.LeaseKeeper | None = None
         self._orphan_check_at = 0.0  # time.monotonic() of the next look at the parent pid
         self._listener = Listener(settings.database_url, settings.notify_channel)
-        self._listen_backoff = _Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
+        self._listen_backoff = backoff.Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
         self._listen_retry_at = 0.0
         self._next_maintenance = time.monotonic() + random.uniform(0, 10)
 
@@ -261,8 +237,10 @@ class Child:
             from worker import metrics, processing, tasktypes  # noqa: PLC0415
 
             self._metrics = metrics.TaskMetrics(tasktypes.names())
-            self._owed = processing.Owed()
-            self._sweep = processing.SweepSchedule.for_stale_window(self.settings.stale_after)
+            self._unwritten = processing.UnwrittenOutcomes()
+            self._sweep_schedule = processing.SweepSchedule.for_stale_window(
+                self.settings.stale_after
+            )
             self._keeper = processing.LeaseKeeper()
         except Exception as exc:
             log.exception("importing the processing code failed")
@@ -276,7 +254,7 @@ class Child:
         # A database that is restarting (a deploy, a failover) is waited out for
         # `boot_timeout`; one that answers without our tables is a boot error at once.
         deadline = time.monotonic() + self.settings.boot_timeout
-        backoff = _Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
+        retries = backoff.Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
         while True:
             try:
                 with self._engine.connect() as conn:
@@ -284,18 +262,18 @@ class Child:
                     conn.execute(text("SELECT 1 FROM tasks LIMIT 0"))
                 break
             except DBAPIError as exc:
-                delay = backoff.next()
+                delay = retries.next()
                 if not db_engine.is_transient(exc) or time.monotonic() + delay > deadline:
-                    return f"database unreachable or not migrated ({_brief(exc)})"
+                    return f"database unreachable or not migrated ({db_errors.brief(exc)})"
                 log.warning("database unreachable at boot (%s); retrying in %.1fs",
-                            _brief(exc), delay)  # fmt: skip
+                            db_errors.brief(exc), delay)  # fmt: skip
                 self._wait(delay, listen=False)
                 if self.should_stop():
                     return None  # stopping anyway: the loop exits at once, status 0
         try:
             self._listener.connect()
         except psycopg.Error as exc:  # not fatal: polling alone works
-            log.warning("cannot LISTEN yet (%s); polling meanwhile", _brief(exc))
+            log.warning("cannot LISTEN yet (%s); polling meanwhile", db_errors.brief(exc))
             self._listen_retry_at = time.monotonic() + self._listen_backoff.next()
         return None
 
@@ -334,17 +312,17 @@ class Child:
         return self._stop.is_set()
 
     def _loop(self) -> None:
-        backoff = _Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
+        retries = backoff.Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
         while not self.should_stop():
             try:
                 claimed = self._process_once()
-                backoff.reset()
+                retries.reset()
                 self._maybe_maintain()
             except (DBAPIError, psycopg.Error) as exc:
                 if not db_engine.is_transient(exc):
                     raise
-                delay = backoff.next()
-                log.warning("database error: %s; retrying in %.1fs", _brief(exc), delay)
+                delay = retries.next()
+                log.warning("database error: %s; retrying in %.1fs", db_errors.brief(exc), delay)
                 self._wait(delay, listen=False)
                 continue
             if claimed == 0:
@@ -352,22 +330,22 @@ class Child:
             # Else at once: a batch that claimed anything suggests more is eligible. Not only
             # a full one: a company at its max_in_flight makes a short batch normal while
             # its work remains.
-        self._write_owed_before_exit()
+        self._write_unwritten_before_exit()
 
-    def _write_owed_before_exit(self) -> None:
-        """One last attempt to write what interrupted passes still owe; log what remains."""
+    def _write_unwritten_before_exit(self) -> None:
+        """One last attempt to write what interrupted passes left unwritten; log what remains."""
         from worker import processing  # noqa: PLC0415  (imported by _boot already)
 
-        if not self._owed:
+        if not self._unwritten:
             return
         assert self._engine is not None
         try:
-            processing.write_owed(self._engine, self._owed, observer=self._metrics)
+            processing.write_unwritten(self._engine, self._unwritten, observer=self._metrics)
         except (DBAPIError, psycopg.Error) as exc:
             log.warning(
                 "stopping with %d completions and %d releases unwritten (%s); those tasks "
                 "run again once their leases expire",
-                self._owed.completions, self._owed.releases, _brief(exc),
+                self._unwritten.completions, self._unwritten.releases, db_errors.brief(exc),
             )  # fmt: skip
 
     def _process_once(self) -> int:
@@ -375,14 +353,14 @@ class Child:
         from worker import processing  # noqa: PLC0415  (imported by _boot already)
 
         assert self._engine is not None
-        result = processing.process_batch(
+        result = processing.run_pass(
             self._engine,
             worker_id=self.worker_id,
             settings=self.settings,
             stop=self.should_stop,
             observer=self._metrics,
-            owed=self._owed,
-            sweep=self._sweep,
+            unwritten=self._unwritten,
+            sweep_schedule=self._sweep_schedule,
             keeper=self._keeper,
         )
         return result.claimed
@@ -410,7 +388,9 @@ class Child:
                     if self._listener.drain():
                         return
                 except psycopg.Error as exc:
-                    log.warning("LISTEN connection lost (%s); polling meanwhile", _brief(exc))
+                    log.warning(
+                        "LISTEN connection lost (%s); polling meanwhile", db_errors.brief(exc)
+                    )
                     self._listen_retry_at = time.monotonic() + self._listen_backoff.next()
 
     def _relisten(self) -> bool:
@@ -418,7 +398,7 @@ class Child:
             self._listener.connect()
         except psycopg.Error as exc:
             delay = self._listen_backoff.next()
-            log.warning("cannot LISTEN (%s); retrying in %.1fs", _brief(exc), delay)
+            log.warning("cannot LISTEN (%s); retrying in %.1fs", db_errors.brief(exc), delay)
             self._listen_retry_at = time.monotonic() + delay
             return False
         self._listen_backoff.reset()

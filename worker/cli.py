@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 from sqlalchemy.exc import DBAPIError
 
 from worker import logging as worker_logging
-from worker.settings import SettingsError, WorkerSettings
+from worker.environment import SettingsError
+from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session, sessionmaker
@@ -39,30 +40,30 @@ SETTINGS_ERROR_EXIT = 2
 class _Flag:
     flag: str
     variable: str
+    default: object  # the `WorkerSettings` field's default, for --help
     metavar: str
     help: str
 
 
 # Each flag and the variable it overrides; --help shows both, and the variable's default.
 FLAGS = (
-    _Flag("--concurrency", "WORKER_CONCURRENCY", "N", "worker children to keep running (1..256)"),
-    _Flag("--batch-size", "WORKER_BATCH_SIZE", "N", "tasks claimed per batch (1..10000)"),
     _Flag(
-        "--poll-interval", "WORKER_POLL_INTERVAL", "SECONDS",
+        "--concurrency", "WORKER_CONCURRENCY", WorkerSettings.concurrency, "N",
+        "worker children to keep running (1..256)",
+    ),
+    _Flag(
+        "--batch-size", "WORKER_BATCH_SIZE", WorkerSettings.batch_size, "N",
+        "tasks claimed per batch (1..10000)",
+    ),
+    _Flag(
+        "--poll-interval", "WORKER_POLL_INTERVAL", WorkerSettings.poll_interval, "SECONDS",
         "how long an idle child waits for a NOTIFY before polling (0.01..3600)",
     ),
     _Flag(
-        "--metrics-port", "WORKER_METRICS_PORT", "PORT",
+        "--metrics-port", "WORKER_METRICS_PORT", WorkerSettings.metrics_port, "PORT",
         "port of the supervisor's /metrics and /health (0: any free port)",
     ),
 )  # fmt: skip
-
-_DEFAULTS = {
-    "WORKER_CONCURRENCY": "2",
-    "WORKER_BATCH_SIZE": "100",
-    "WORKER_POLL_INTERVAL": "1",
-    "WORKER_METRICS_PORT": "9100",
-}
 
 EPILOG = """\
 Other settings come from the environment only: DATABASE_URL (required), STALE_AFTER_SECONDS,
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
             flag.flag,
             metavar=flag.metavar,
             dest=flag.variable,
-            help=f"{flag.help}; env {flag.variable}, default {_DEFAULTS[flag.variable]}",
+            help=f"{flag.help}; env {flag.variable}, default {flag.default}",
         )
     parser.add_argument(
         "--once",
@@ -150,18 +151,18 @@ def run_once(settings: WorkerSettings) -> int:
         statement_timeout_ms=processing.WORKER_STATEMENT_TIMEOUT_MS,
     )
     sessions = db_engine.make_sessionmaker(engine)
-    owed = processing.Owed()
+    unwritten = processing.UnwrittenOutcomes()
     try:
-        result = processing.process_batch(
+        result = processing.run_pass(
             sessions,
             worker_id=f"{socket.gethostname()}:{os.getpid()}",
             settings=settings,
             stop=stop.is_set,
-            owed=owed,
+            unwritten=unwritten,
         )
     except DBAPIError as exc:
         print(f"fairq worker: database error: {exc.orig or exc}", file=sys.stderr)
-        _write_owed(sessions, owed)
+        _write_unwritten(sessions, unwritten)
         return 1
     finally:
         engine.dispose()
@@ -169,17 +170,20 @@ def run_once(settings: WorkerSettings) -> int:
     return 0
 
 
-def _write_owed(sessions: sessionmaker[Session], owed: processing.Owed) -> None:
-    """Try once more to write what the failed pass owes; say on stderr what stays unwritten."""
+def _write_unwritten(
+    sessions: sessionmaker[Session], unwritten: processing.UnwrittenOutcomes
+) -> None:
+    """Try once more to write what the failed pass left; say on stderr what stays unwritten."""
     from worker import processing  # noqa: PLC0415
 
-    if not owed:
+    if not unwritten:
         return
     with contextlib.suppress(DBAPIError):
-        processing.write_owed(sessions, owed)
-    if owed:
+        processing.write_unwritten(sessions, unwritten)
+    if unwritten:
         print(
-            f"fairq worker: {owed.completions} completions and {owed.releases} releases not "
-            "written; those tasks run again once their leases expire (STALE_AFTER_SECONDS)",
+            f"fairq worker: {unwritten.completions} completions and {unwritten.releases} "
+            "releases not written; those tasks run again once their leases expire "
+            "(STALE_AFTER_SECONDS)",
             file=sys.stderr,
         )

@@ -4,17 +4,21 @@ The supervisor configures logging once before forking; children inherit the hand
 every line carries the pid, so interleaved output of the process tree stays attributable.
 The API (`api.logging`) installs the same handler and formatters on its `fairq` logger.
 
-Throughput: a processing pass logs one line per task, which at first cost a busy child about
-15 us of CPU per task (a noop task costs about 35 us in all): building the record (its caller's
-file and line included), formatting the time, and one `write` per line. So a worker process's
-records skip the caller lookup (`configure`), the formatters compute the date once per second,
-and inside `batched()` (every processing pass runs in one) the handler keeps records and
-writes them as one block: when the pass ends, when `BUFFER_CAPACITY` records wait, when the
+Standard library handlers: a `logging.handlers.MemoryHandler` (`BatchingHandler`) in front
+of a `logging.StreamHandler` on stderr (`StderrHandler`). Outside `batched()` every record is
+written when it is logged. Inside (every processing pass runs in one) records are held and
+written as one block: when the pass ends, when `BUFFER_CAPACITY` records wait, when the
 oldest has waited `MAX_HOLD_SECONDS` (checked as records arrive and by `write_due()`, which
 the pass's lease keeper calls every tick, so slow tasks do not hold lines back), or at once
 when a WARNING or worse (or a record with a traceback) arrives, after everything held before
-it. Outside `batched()` every record is written when it is logged. A process that dies by SIGKILL
-loses at most its last `MAX_HOLD_SECONDS` of INFO lines; its warnings were already written.
+it. A process that dies by SIGKILL loses at most its last `MAX_HOLD_SECONDS` of INFO lines;
+its warnings were already written.
+
+Why: a processing pass logs one line per task, which at first cost a busy child about 15 us
+of CPU per task (a noop task costs about 35 us in all): building the record (its caller's
+file and line included), formatting the time, and one `write` per line. So the block write
+above; the formatters compute the date once per second; and `configure` makes a worker
+process's loggers skip the caller lookup, which neither format shows.
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import logging.handlers
 import os
 import sys
+import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s"
@@ -84,19 +90,20 @@ class JsonFormatter(logging.Formatter):
         super().__init__()
         self._second: tuple[int, str] = (-1, "")
 
-    def _time(self, created: float) -> str:
-        second = int(created)
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        """UTC as `YYYY-MM-DDTHH:MM:SS.mmm+00:00`, the date part computed once per second."""
+        second = int(record.created)
         cached_second, prefix = self._second
         if second != cached_second:
             prefix = dt.datetime.fromtimestamp(second, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S")
             self._second = (second, prefix)
-        millis = min(int((created - second) * 1000), 999)
+        millis = min(int((record.created - second) * 1000), 999)
         return f"{prefix}.{millis:03d}+00:00"
 
     def format(self, record: logging.LogRecord) -> str:
         """Render `record` as a single line of JSON, with the traceback if there is one."""
         entry: dict[str, Any] = {
-            "time": self._time(record.created),
+            "time": self.formatTime(record),
             "level": record.levelname,
             "logger": record.name,
             "pid": record.process,
@@ -117,157 +124,180 @@ def make_formatter(fmt: str) -> logging.Formatter:
     return JsonFormatter() if fmt == "json" else TextFormatter()
 
 
-class LineHandler(logging.Handler):
-    """Write each record as one line to `stream` (default: `sys.stderr` at write time).
+class StderrHandler(logging.StreamHandler[TextIO]):
+    """A `StreamHandler` on `sys.stderr` as it is when writing (or on the stream given).
 
-    Inside `batched()` records are held and written together (see the module docstring).
     Looking `sys.stderr` up at write time keeps the handler valid when something replaces
-    it (pytest's capture, a test's `capsys`).
+    it (pytest's capture, a test's `capsys`), as the standard library's last-resort handler
+    does. `write_block` writes many records with one `write`.
     """
 
-    def __init__(
-        self,
-        fmt: str = "text",
-        stream: TextIO | None = None,
-        *,
-        capacity: int = BUFFER_CAPACITY,
-        flush_level: int = logging.WARNING,
-    ) -> None:
-        super().__init__()
-        self.setFormatter(make_formatter(fmt))
-        self._stream = stream
-        self.capacity = capacity
-        self.flush_level = flush_level
-        self._held: list[logging.LogRecord] = []
-        self._held_since = 0.0  # time.monotonic() of the oldest held record
-        self._depth = 0  # open `batched()` scopes; guarded by the handler lock
-        _HANDLERS.add(self)
+    def __init__(self, stream: TextIO | None = None) -> None:
+        # Not StreamHandler.__init__: it would bind the stream of this moment.
+        logging.Handler.__init__(self)
+        self._given = stream
 
     @property
     def stream(self) -> TextIO:
         """Where lines go."""
-        return self._stream if self._stream is not None else sys.stderr
+        return self._given if self._given is not None else sys.stderr
 
-    def emit(self, record: logging.LogRecord) -> None:
-        """Write `record` now, or hold it while a `batched()` scope is open.
+    @stream.setter
+    def stream(self, stream: TextIO | None) -> None:
+        self._given = stream
 
-        Runs with the handler lock held (`logging.Handler.handle`).
-        """
-        if self._depth == 0:
-            self._write([record])
-            return
-        if not self._held:
-            self._held_since = time.monotonic()
-        self._held.append(record)
-        if (
-            len(self._held) >= self.capacity
-            or time.monotonic() - self._held_since >= MAX_HOLD_SECONDS
-            or record.levelno >= self.flush_level
-            or record.exc_info  # do not keep a traceback's frames alive until the pass ends
-        ):
-            self._write_held()
-
-    def flush(self) -> None:
-        """Write every held record, then flush the stream."""
-        self.acquire()
-        try:
-            self._write_held()
-            # A closed stream must not break the caller (flush() runs right before os._exit).
-            with contextlib.suppress(OSError, ValueError):
-                self.stream.flush()
-        finally:
-            self.release()
-
-    def open_batch(self) -> None:
-        """Start holding records (scopes nest)."""
-        self.acquire()
-        try:
-            self._depth += 1
-        finally:
-            self.release()
-
-    def close_batch(self) -> None:
-        """End one scope; when the last one ends, write what is held."""
-        self.acquire()
-        try:
-            self._depth = max(self._depth - 1, 0)
-            if self._depth == 0:
-                self._write_held()
-        finally:
-            self.release()
-
-    def write_due(self, now: float) -> None:
-        """Write what is held if the oldest record has waited `MAX_HOLD_SECONDS` by `now`."""
-        self.acquire()
-        try:
-            if self._held and now - self._held_since >= MAX_HOLD_SECONDS:
-                self._write_held()
-        finally:
-            self.release()
-
-    def forget_after_fork(self) -> None:
-        """In a forked child: drop the parent's held records (the parent writes them)."""
-        self._held = []
-        self._depth = 0
-
-    def _write_held(self) -> None:
-        if self._held:
-            held, self._held = self._held, []
-            self._write(held)
-
-    def _write(self, records: list[logging.LogRecord]) -> None:
+    def write_block(self, records: Sequence[logging.LogRecord]) -> None:
+        """Format `records` and write them, one line each, in one `write`, then flush."""
         lines: list[str] = []
         for record in records:
             try:
                 lines.append(self.format(record))
-            except RecursionError:  # as logging.StreamHandler does (bpo-36272)
+            except RecursionError:  # as StreamHandler.emit does (bpo-36272)
                 raise
             except Exception:
                 self.handleError(record)
         if not lines:
             return
+        self.acquire()
         try:
             stream = self.stream
-            stream.write("\n".join(lines) + "\n")  # one write for the whole block
+            stream.write(self.terminator.join(lines) + self.terminator)
             stream.flush()
         except RecursionError:
             raise
         except Exception:
             self.handleError(records[-1])
+        finally:
+            self.release()
+
+    def flush(self) -> None:
+        """Flush the stream; a closed one is ignored (this runs right before `os._exit`)."""
+        with contextlib.suppress(OSError, ValueError):
+            super().flush()
 
 
-_HANDLERS: weakref.WeakSet[LineHandler] = weakref.WeakSet()
+class BatchingHandler(logging.handlers.MemoryHandler):
+    """A `MemoryHandler` that holds records only inside `batched()`, and writes them in blocks.
+
+    Outside `batched()` every record is written at once. Inside, it writes what it holds
+    when `capacity` records wait, on a WARNING or worse, on a record with a traceback (its
+    frames are not kept alive until the pass ends), and when the oldest has waited
+    `MAX_HOLD_SECONDS`. Bypasses `target`'s filters (it has none).
+    """
+
+    def __init__(self, target: StderrHandler, *, capacity: int = BUFFER_CAPACITY) -> None:
+        super().__init__(capacity, flushLevel=logging.WARNING, target=target)
+        self.writer = target
+        self._held_since = 0.0  # time.monotonic() of the oldest held record
+        _HANDLERS.add(self)
+
+    def shouldFlush(self, record: logging.LogRecord) -> bool:
+        """Tell whether to write now, with `record` just appended to the buffer."""
+        if _batches.depth == 0:
+            return True
+        held = len(self.buffer)
+        now = time.monotonic()
+        if held == 1:
+            self._held_since = now
+        return (
+            # MemoryHandler's own rule, inline: a call less per record on the hot path.
+            held >= self.capacity
+            or record.levelno >= self.flushLevel
+            or bool(record.exc_info)
+            or now - self._held_since >= MAX_HOLD_SECONDS
+        )
+
+    def flush(self) -> None:
+        """Write every held record as one block, and flush the stream."""
+        self.acquire()
+        try:
+            if not self.write_held():
+                self.writer.flush()
+        finally:
+            self.release()
+
+    def write_held(self, *, older_than: float | None = None) -> bool:
+        """Write what is held, if anything (only if held since before `older_than`).
+
+        Returns whether it wrote (`StderrHandler.write_block` flushes the stream too).
+        """
+        self.acquire()
+        try:
+            if not self.buffer or (older_than is not None and self._held_since > older_than):
+                return False
+            held, self.buffer = self.buffer, []
+            self.writer.write_block(held)
+            return True
+        finally:
+            self.release()
+
+
+def make_handler(
+    fmt: str = "text", stream: TextIO | None = None, *, capacity: int = BUFFER_CAPACITY
+) -> BatchingHandler:
+    """The handler `configure` installs: lines in format `fmt` to `stream` (default stderr)."""
+    writer = StderrHandler(stream)
+    writer.setFormatter(make_formatter(fmt))
+    return BatchingHandler(writer, capacity=capacity)
+
+
+class _Batches:
+    """How many `batched()` blocks are open in this process (in any thread)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.lock = threading.Lock()
+
+
+_batches = _Batches()
+_HANDLERS: weakref.WeakSet[BatchingHandler] = weakref.WeakSet()
 
 
 def _forget_held_after_fork() -> None:
+    # In a forked child: the parent writes what it holds, and its blocks are not ours.
+    _batches.depth = 0
+    _batches.lock = threading.Lock()
     for handler in list(_HANDLERS):
-        handler.forget_after_fork()
+        handler.buffer = []
 
 
 os.register_at_fork(after_in_child=_forget_held_after_fork)
 
 
-def configure(level: str = "INFO", fmt: str = "text", *, logger: str = "") -> LineHandler:
+class _CallerlessLogger(logging.Logger):
+    """A logger that does not look up its caller's file, line and function for each record."""
+
+    def findCaller(
+        self, stack_info: bool = False, stacklevel: int = 1
+    ) -> tuple[str, int, str, str | None]:
+        """Placeholders, as with `logging._srcfile = None`; the real lookup for a stack."""
+        if stack_info:
+            return super().findCaller(stack_info, stacklevel + 1)  # + this frame
+        return "(unknown file)", 0, "(unknown function)", None
+
+
+def configure(level: str = "INFO", fmt: str = "text", *, logger: str = "") -> BatchingHandler:
     """Send every record of `logger` (default: the root, i.e. all) to stderr at `level`.
 
     `fmt` is `text` or `json`. Replaces the handlers already on that logger, so calling it
     twice does not log twice. Returns the handler.
 
     For the root logger (a worker process, whose logging is all ours) records also skip
-    looking up their caller's file, line and thread (the Logging HOWTO's "Optimization"
-    switches): neither format shows them, and a busy child logs a line per task.
+    what neither format shows (the Logging HOWTO's "Optimization" switches): thread and
+    process names, and for loggers created from then on (`logging.setLoggerClass`) the
+    caller's file and line.
     """
     if not logger:
-        logging._srcfile = None
+        logging.setLoggerClass(_CallerlessLogger)
         logging.logThreads = False
         logging.logMultiprocessing = False
         if sys.version_info >= (3, 12):
             logging.logAsyncioTasks = False
-    handler = LineHandler(fmt)
+    handler = make_handler(fmt)
     target = logging.getLogger(logger)
     for old in list(target.handlers):
         target.removeHandler(old)
-        if isinstance(old, LineHandler):
+        if isinstance(old, BatchingHandler):
             old.flush()
     target.addHandler(handler)
     target.setLevel(level)
@@ -281,21 +311,24 @@ def batched() -> Iterator[None]:
     Warnings and errors are still written at once (after the lines held before them), and
     at most `BUFFER_CAPACITY` lines wait. A processing pass runs in one such block.
     """
-    handlers = list(_HANDLERS)
-    for handler in handlers:
-        handler.open_batch()
+    with _batches.lock:
+        _batches.depth += 1
     try:
         yield
     finally:
-        for handler in handlers:
-            handler.close_batch()
+        with _batches.lock:
+            _batches.depth = max(_batches.depth - 1, 0)
+            last = _batches.depth == 0
+        if last:
+            for handler in list(_HANDLERS):
+                handler.write_held()
 
 
 def write_due() -> None:
     """Write the held lines that have waited `MAX_HOLD_SECONDS` (cheap when nothing has)."""
-    now = time.monotonic()
+    held_since = time.monotonic() - MAX_HOLD_SECONDS
     for handler in list(_HANDLERS):
-        handler.write_due(now)
+        handler.write_held(older_than=held_since)
 
 
 def flush() -> None:

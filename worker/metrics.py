@@ -1,8 +1,8 @@
 """Worker metrics (design §7) in Prometheus multiprocess mode, and the port that serves them.
 
-Import this module only after `PROMETHEUS_MULTIPROC_DIR` is set (`worker.supervisor` does it
-first): `prometheus_client` picks its value storage when it is first imported, and metrics
-created before that stay in one process's memory, invisible to the supervisor's scrape.
+Importing this module imports `prometheus_client`, which picks its value storage then: the
+supervisor imports it only after `worker.metrics_dir.prepare` (metrics created otherwise stay
+in one process's memory, invisible to the supervisor's scrape).
 
 Children record task metrics through `TaskMetrics` (one set per child, written to that
 child's files); the supervisor serves the sum over every child's files, plus the two metrics
@@ -21,11 +21,12 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client import generate_latest as _generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("fairq.worker.metrics")
@@ -185,12 +186,18 @@ class SupervisorCollector(Collector):
         )  # fmt: skip
 
 
-def render(extra: Collector) -> bytes:
-    """The Prometheus text of every child's metrics files plus `extra`'s metrics."""
+def render(directory: Path, extra: Collector) -> bytes:
+    """The Prometheus text of every metrics file in `directory` plus `extra`'s metrics."""
     registry = CollectorRegistry()
-    MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # untyped library
+    path = str(directory)
+    MultiProcessCollector(registry, path)  # type: ignore[no-untyped-call]  # untyped library
     registry.register(extra)
     return _generate_latest(registry)
+
+
+def forget_process(directory: Path, pid: int) -> None:
+    """Drop the live-gauge files of dead process `pid`; its counters stay in the totals."""
+    mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]  # untyped library
 
 
 # A scrape request is a few hundred bytes; anything this large is not one.
@@ -221,10 +228,14 @@ class _Client:
 class MetricsServer:
     """A minimal HTTP server for `GET /metrics` and `GET /health`, driven by a select loop.
 
+    Not prometheus_client's: `start_http_server` serves from a thread (unsafe before fork),
+    and its thread-free path (wsgiref) reads requests blocking, so one slow client would
+    stall the supervisor's loop (decision 0004).
+
     The owner polls `sockets()` for readability and passes the ready ones to `handle()`. One
-    request per connection (`Connection: close`); the response is written with a short
-    blocking send, so a stalled reader delays the owner by at most `_SEND_TIMEOUT_SECONDS`.
-    `port` is the bound port (useful with port 0).
+    request per connection (`Connection: close`); requests are read without blocking, and
+    the response is written with a short blocking send, so a stalled reader delays the owner
+    by at most `_SEND_TIMEOUT_SECONDS`. `port` is the bound port (useful with port 0).
     """
 
     def __init__(self, host: str, port: int, metrics: Callable[[], bytes]) -> None:

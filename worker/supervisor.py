@@ -10,8 +10,9 @@ Modelled on gunicorn's arbiter. One single-threaded loop:
 - Then it reaps (`waitpid(-1, WNOHANG)` until nothing is left), kills retired children that
   outlived `shutdown_timeout`, and runs `reconcile()`, the one idempotent step that spawns
   missing children and retires the oldest surplus ones.
-- The same `poll()` serves the metrics port (`worker.metrics.MetricsServer`) and reads each
-  child's status pipe, on which a child reports that it booted or why it could not.
+- The same `poll()` serves the metrics port (`worker.metrics.MetricsServer`, hand-written:
+  prometheus_client's servers use a thread or block, decision 0004) and reads each child's
+  status pipe, on which a child reports that it booted or why it could not.
 
 Signals: TERM and INT stop gracefully (TERM to every child, reap every 100 ms for up to
 `shutdown_timeout`, then KILL what is left); QUIT is the same with a one-second grace
@@ -34,17 +35,14 @@ import errno
 import logging
 import os
 import select
-import shutil
 import signal
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from worker import child
+from worker import backoff, child, metrics_dir
 from worker import logging as worker_logging
 from worker.settings import WorkerSettings
 
@@ -68,7 +66,7 @@ BOOT_FAILED_EXIT = 3
 BOOT_FAILURE_LIMIT = 5
 BOOT_FAILURE_WINDOW_SECONDS = 60.0
 
-# Respawn delay after an unexpected death: base * 2**(deaths in the window - 1), capped.
+# Respawn delay after an unexpected death: `backoff.ceiling` of the deaths in the window.
 RESTART_BACKOFF_BASE_SECONDS = 0.25
 RESTART_BACKOFF_MAX_SECONDS = 10.0
 RESTART_BACKOFF_WINDOW_SECONDS = 60.0
@@ -155,7 +153,7 @@ class Supervisor:
         self._wake_r = -1
         self._wake_w = -1
         self._server: metrics.MetricsServer | None = None
-        self._own_metrics_dir: Path | None = None
+        self._metrics_dir: Path | None = None
         self._stopping = False
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -200,20 +198,29 @@ class Supervisor:
         return self._stop is not None
 
     def _setup(self) -> None:
-        self._prepare_metrics_dir()
+        try:
+            self._metrics_dir = metrics_dir.prepare(
+                self.settings.prometheus_multiproc_dir, prefix="fairq-worker-metrics-"
+            )
+        except metrics_dir.MetricsDirError as exc:
+            raise SupervisorError(str(exc)) from exc
+        directory = self._metrics_dir
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
             os.set_blocking(fd, False)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for sig in SIGNALS:
             signal.signal(sig, _record_only)
-        # Imported only now: PROMETHEUS_MULTIPROC_DIR must be set before prometheus_client is.
+        # Imported only after metrics_dir.prepare: it imports prometheus_client, which picks
+        # its value storage from the variable then, for this process and every child.
         from worker import metrics  # noqa: PLC0415
 
         collector = metrics.SupervisorCollector(lambda: len(self.children), lambda: self.restarts)
         host, port = self.settings.metrics_host, self.settings.metrics_port
         try:
-            self._server = metrics.MetricsServer(host, port, lambda: metrics.render(collector))
+            self._server = metrics.MetricsServer(
+                host, port, lambda: metrics.render(directory, collector)
+            )
         except OSError as exc:
             raise SupervisorError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
         port = self._server.port
@@ -222,29 +229,6 @@ class Supervisor:
             tmp = self._metrics_port_file.with_name(self._metrics_port_file.name + ".tmp")
             tmp.write_text(f"{port}\n")
             tmp.replace(self._metrics_port_file)  # readers never see a half-written file
-
-    def _prepare_metrics_dir(self) -> None:
-        """Create and empty the multiprocess directory, and point prometheus_client at it.
-
-        Emptied at start, else counters of an earlier run carry over (docs/stack-notes.md); only
-        `*.db` files are removed, in case the variable points at a directory holding anything
-        else.
-        """
-        if "prometheus_client" in sys.modules:
-            # Its value class is already chosen: every child's metrics would stay in memory.
-            raise SupervisorError("prometheus_client was imported before the metrics directory")
-        configured = self.settings.prometheus_multiproc_dir
-        if configured is None:
-            path = Path(tempfile.mkdtemp(prefix="fairq-worker-metrics-"))
-            self._own_metrics_dir = path
-        else:
-            path = configured
-            path.mkdir(parents=True, exist_ok=True)
-            for entry in path.glob("*.db"):
-                entry.unlink()
-        # The one write to the environment, and it must happen before the first import of
-        # prometheus_client in this process tree (children inherit it).
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
 
     def _teardown(self) -> None:
         if self._server is not None:
@@ -259,8 +243,7 @@ class Supervisor:
         self._wake_r = self._wake_w = -1
         for proc in self.children.values():
             self._close_status(proc)
-        if self._own_metrics_dir is not None:
-            shutil.rmtree(self._own_metrics_dir, ignore_errors=True)
+        metrics_dir.remove_temporary()
 
     # -- the loop's wait ------------------------------------------------------------------
 
@@ -401,9 +384,8 @@ class Supervisor:
         self._deaths.append(now)
         while self._deaths and now - self._deaths[0] > RESTART_BACKOFF_WINDOW_SECONDS:
             self._deaths.popleft()
-        delay = min(
-            RESTART_BACKOFF_BASE_SECONDS * 2 ** (len(self._deaths) - 1),
-            RESTART_BACKOFF_MAX_SECONDS,
+        delay = backoff.ceiling(
+            len(self._deaths), base=RESTART_BACKOFF_BASE_SECONDS, cap=RESTART_BACKOFF_MAX_SECONDS
         )
         self._spawn_after = now + delay
         if code != child.BOOT_ERROR:
@@ -429,10 +411,10 @@ class Supervisor:
         )
 
     def _mark_dead(self, pid: int) -> None:
-        # Drops the dead child's live-gauge files; its counters stay in the totals.
-        from prometheus_client import multiprocess  # noqa: PLC0415  (see _setup)
+        from worker import metrics  # noqa: PLC0415  (see _setup)
 
-        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]  # untyped library
+        if self._metrics_dir is not None:
+            metrics.forget_process(self._metrics_dir, pid)
 
     def kill_overdue(self) -> None:
         """SIGKILL retired children still running `shutdown_timeout` after their TERM."""

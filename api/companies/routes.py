@@ -24,14 +24,15 @@ blp = Blueprint("companies", __name__, url_prefix="/companies", description="Ten
 class Companies(MethodView):
     """The collection of companies."""
 
+    @blp.doc(operationId="create_company")
     @auth.admin_required
     @blp.arguments(CompanyCreateSchema)
     @blp.response(201, CompanyCreatedSchema)
-    @blp.alt_response(400, description="Malformed JSON.")
-    @blp.alt_response(401, description="Missing or invalid admin token.")
-    @blp.alt_response(413, description="Body larger than 1 MiB.")
-    @blp.alt_response(415, description="Body is not JSON.")
-    @blp.alt_response(503, description="ADMIN_TOKEN is not configured.")
+    @blp.error(400, "Malformed JSON.")
+    @blp.error(401, "Missing or invalid admin token.")
+    @blp.error(413, "Body larger than 1 MiB.")
+    @blp.error(415, "Body is not JSON.")
+    @blp.error(503, "ADMIN_TOKEN is not configured.")
     def post(self, body: dict[str, Any]) -> dict[str, Any]:
         """Create a company and return its API key (admin only)."""
         key = auth.new_api_key()
@@ -58,28 +59,28 @@ class Companies(MethodView):
 class CompanyById(MethodView):
     """One company."""
 
+    @blp.doc(operationId="get_company")
     @auth.company_required(allow_admin=True)
     @blp.response(200, CompanySchema)
-    @blp.alt_response(401, description="Missing or invalid token.")
-    @blp.alt_response(404, description="No such company, or not yours.")
+    @blp.error(401, "Missing or invalid token.")
+    @blp.error(404, "No such company, or not yours.")
     def get(self, company_id: uuid.UUID) -> Any:
         """Read a company (its own key, or the admin token)."""
         return companies.get_company(database.session(), company_id)
 
+    @blp.doc(operationId="update_company")
     @auth.admin_required
     @blp.arguments(
         CompanyLimitsSchema,
         description="At least one of weight and max_in_flight; the other keeps its value.",
     )
     @blp.response(200, CompanySchema)
-    @blp.alt_response(400, description="Malformed JSON.")
-    @blp.alt_response(
-        401, description="Missing or invalid admin token (a company's own key is refused too)."
-    )
-    @blp.alt_response(404, description="No such company.")
-    @blp.alt_response(413, description="Body larger than 1 MiB.")
-    @blp.alt_response(415, description="Body is not JSON.")
-    @blp.alt_response(503, description="ADMIN_TOKEN is not configured.")
+    @blp.error(400, "Malformed JSON.")
+    @blp.error(401, "Missing or invalid admin token (a company's own key is refused too).")
+    @blp.error(404, "No such company.")
+    @blp.error(413, "Body larger than 1 MiB.")
+    @blp.error(415, "Body is not JSON.")
+    @blp.error(503, "ADMIN_TOKEN is not configured.")
     def patch(self, body: dict[str, Any], company_id: uuid.UUID) -> Any:
         """Set a company's weight and/or max_in_flight (admin only)."""
         session = database.session()

@@ -42,6 +42,7 @@ class TaskTypeSchema(Schema):
 class Health(MethodView):
     """Liveness."""
 
+    @blp.doc(operationId="get_health")
     @blp.doc(security=[])  # public: overrides the spec-wide bearer requirement
     @blp.response(200, HealthSchema)
     def get(self) -> dict[str, str]:
@@ -53,6 +54,7 @@ class Health(MethodView):
 class Ready(MethodView):
     """Readiness."""
 
+    @blp.doc(operationId="get_readiness")
     @blp.doc(security=[])  # public: overrides the spec-wide bearer requirement
     @blp.response(200, ReadySchema)
     @blp.alt_response(503, schema=ReadySchema, description="The database is unreachable.")
@@ -87,6 +89,7 @@ def payload_json_schema(schema: type[Schema]) -> dict[str, Any]:
 class TaskTypes(MethodView):
     """The task-type catalogue."""
 
+    @blp.doc(operationId="list_task_types")
     @blp.doc(security=[])  # public: overrides the spec-wide bearer requirement
     @blp.response(200, TaskTypeSchema(many=True))
     def get(self) -> list[dict[str, Any]]:

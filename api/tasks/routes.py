@@ -52,28 +52,36 @@ def request_hash(body: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+# Response headers of a create, as documented in the OpenAPI document.
+_LOCATION = {"description": "The task's URL.", "schema": {"type": "string"}}
+_REPLAYED = {
+    "description": "Present on a replay: this is the task an earlier create made.",
+    "schema": {"type": "string", "enum": ["true"]},
+}
+
+
 @blp.route("")
 class Tasks(MethodView):
     """A company's task collection."""
 
+    @blp.doc(operationId="create_task")
     @auth.company_required()
     @blp.arguments(IdempotencyHeaderSchema, location="headers")
     @blp.arguments(TaskCreateSchema)
-    @blp.response(201, TaskSchema, headers={"Location": {"schema": {"type": "string"}}})
+    @blp.response(201, TaskSchema, headers={"Location": _LOCATION})
     @blp.alt_response(
         200,
         schema=TaskSchema,
-        description=(
-            "Replay: same Idempotency-Key and body as an earlier create "
-            "(header Idempotent-Replayed: true)."
-        ),
+        description="Replay: same Idempotency-Key and body as an earlier create.",
+        headers={"Location": _LOCATION, "Idempotent-Replayed": _REPLAYED},
+        success=True,
     )
-    @blp.alt_response(400, description="Malformed JSON.")
-    @blp.alt_response(401, description="Missing or invalid token.")
-    @blp.alt_response(403, description="The admin token cannot act for a company.")
-    @blp.alt_response(404, description="No such company, or not yours.")
-    @blp.alt_response(413, description="Body larger than 1 MiB.")
-    @blp.alt_response(415, description="Body is not JSON.")
+    @blp.error(400, "Malformed JSON.")
+    @blp.error(401, "Missing or invalid token.")
+    @blp.error(403, "The admin token cannot act for a company.")
+    @blp.error(404, "No such company, or not yours.")
+    @blp.error(413, "Body larger than 1 MiB.")
+    @blp.error(415, "Body is not JSON.")
     def post(self, headers: dict[str, Any], body: dict[str, Any], company_id: uuid.UUID) -> Any:
         """Create a task (optionally idempotent with an Idempotency-Key header)."""
         key = headers.get("idempotency_key")
@@ -95,12 +103,13 @@ class Tasks(MethodView):
             return task, 201, {"Location": location}
         return task, 200, {"Location": location, "Idempotent-Replayed": "true"}
 
+    @blp.doc(operationId="list_tasks")
     @auth.company_required()
     @blp.arguments(TaskListQuerySchema, location="query")
     @blp.response(200, TaskPageSchema)
-    @blp.alt_response(401, description="Missing or invalid token.")
-    @blp.alt_response(403, description="The admin token cannot act for a company.")
-    @blp.alt_response(404, description="No such company, or not yours.")
+    @blp.error(401, "Missing or invalid token.")
+    @blp.error(403, "The admin token cannot act for a company.")
+    @blp.error(404, "No such company, or not yours.")
     def get(self, query: dict[str, Any], company_id: uuid.UUID) -> dict[str, Any]:
         """List the company's tasks, newest first, with optional status and type filters."""
         items, has_more = queue.list_tasks(database.session(), company_id, **query)
@@ -116,11 +125,12 @@ class Tasks(MethodView):
 class TaskById(MethodView):
     """One task."""
 
+    @blp.doc(operationId="get_task")
     @auth.company_required()
     @blp.response(200, TaskSchema)
-    @blp.alt_response(401, description="Missing or invalid token.")
-    @blp.alt_response(403, description="The admin token cannot act for a company.")
-    @blp.alt_response(404, description="No such task, or not yours.")
+    @blp.error(401, "Missing or invalid token.")
+    @blp.error(403, "The admin token cannot act for a company.")
+    @blp.error(404, "No such task, or not yours.")
     def get(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Any:
         """Read one task."""
         return queue.get_task(database.session(), company_id, task_id)
@@ -130,12 +140,13 @@ class TaskById(MethodView):
 class TaskCancel(MethodView):
     """Cancel a pending task."""
 
+    @blp.doc(operationId="cancel_task")
     @auth.company_required()
     @blp.response(200, TaskSchema)
-    @blp.alt_response(401, description="Missing or invalid token.")
-    @blp.alt_response(403, description="The admin token cannot act for a company.")
-    @blp.alt_response(404, description="No such task, or not yours.")
-    @blp.alt_response(409, description="The task is not pending.")
+    @blp.error(401, "Missing or invalid token.")
+    @blp.error(403, "The admin token cannot act for a company.")
+    @blp.error(404, "No such task, or not yours.")
+    @blp.error(409, "The task is not pending.")
     def post(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Any:
         """Cancel a pending task."""
         session = database.session()
@@ -148,12 +159,13 @@ class TaskCancel(MethodView):
 class TaskRetry(MethodView):
     """Run a failed or cancelled task again."""
 
+    @blp.doc(operationId="retry_task")
     @auth.company_required()
     @blp.response(200, TaskSchema)
-    @blp.alt_response(401, description="Missing or invalid token.")
-    @blp.alt_response(403, description="The admin token cannot act for a company.")
-    @blp.alt_response(404, description="No such task, or not yours.")
-    @blp.alt_response(409, description="The task is not failed or cancelled.")
+    @blp.error(401, "Missing or invalid token.")
+    @blp.error(403, "The admin token cannot act for a company.")
+    @blp.error(404, "No such task, or not yours.")
+    @blp.error(409, "The task is not failed or cancelled.")
     def post(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Any:
         """Retry a failed or cancelled task now, with its attempts reset."""
         session = database.session()

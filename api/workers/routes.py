@@ -19,6 +19,7 @@ from api import auth, database
 from api.parser import Blueprint
 from api.settings import ApiSettings
 from worker import processing
+from worker.settings import PassSettings
 
 blp = Blueprint("workers", __name__, url_prefix="/workers", description="Drive the queue by hand.")
 
@@ -45,17 +46,18 @@ class PassResultSchema(Schema):
 class Process(MethodView):
     """One processing pass."""
 
+    @blp.doc(operationId="process_tasks")
     @auth.admin_required
     @blp.response(200, PassResultSchema)
-    @blp.alt_response(401, description="Missing or invalid admin token.")
-    @blp.alt_response(503, description="ADMIN_TOKEN is not configured.")
+    @blp.error(401, "Missing or invalid admin token.")
+    @blp.error(503, "ADMIN_TOKEN is not configured.")
     def post(self) -> processing.PassResult:
         """Claim, run and finalize one batch of tasks in this process (admin only)."""
         settings: ApiSettings = current_app.config["FAIRQ_SETTINGS"]
-        return processing.process_batch(
+        return processing.run_pass(
             database.session_factory(),
             worker_id=f"{socket.gethostname()}:{os.getpid()}:api",
-            settings=processing.PassDefaults(
+            settings=PassSettings(
                 stale_after=settings.stale_after_seconds, handler_config=settings.handler_config
             ),
         )

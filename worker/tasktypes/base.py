@@ -16,13 +16,15 @@ class HandlerConfig:
 
     `smtp_url`: `smtp://host:port` (or `smtps://`, with optional `user:password@`);
     `webhook_allow_private`: allow loopback/private/link-local webhook targets;
-    `webhook_timeout`: seconds for connect and read of one webhook call.
+    `webhook_timeout`: seconds one webhook call may take in all, connect to last byte;
+    `smtp_timeout`: seconds one message may take in all, connect to QUIT.
     """
 
     smtp_url: str = "smtp://127.0.0.1:1025"
     smtp_from: str = "fairq@localhost"
     webhook_allow_private: bool = False
     webhook_timeout: float = 10.0
+    smtp_timeout: float = 30.0
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import email.utils
 import smtplib
+import socket
 import ssl
 import urllib.parse
 from email.message import EmailMessage
@@ -13,11 +14,8 @@ from marshmallow import RAISE, Schema, fields, validate
 
 from worker.errors import PermanentTaskError
 from worker.tasktypes.base import HandlerConfig, TaskContext, TaskType
+from worker.tasktypes.deadline import SocketDeadline
 from worker.tasktypes.fields import SINGLE_LINE
-
-# Seconds for connecting and for each SMTP command; a relay slower than this is treated as down
-# and the task is retried.
-SMTP_TIMEOUT_SECONDS = 30.0
 
 _DEFAULT_PORTS = {"smtp": 25, "smtps": 465}
 
@@ -56,12 +54,18 @@ def handle(task: TaskContext) -> None:
     configuration problems (bad `smtp_url`, rejected credentials) that operators must fix.
     """
     message = _build_message(task)
-    try:
-        _send(task.config, message)
-    except smtplib.SMTPException as exc:
-        raise _classify(exc) from exc
-    except OSError as exc:  # refused, unreachable, timeout, TLS failure
-        raise SmtpRetryableError(f"SMTP connection failed: {exc}") from exc
+    with SocketDeadline(task.config.smtp_timeout) as deadline:
+        try:
+            _send(task.config, message, deadline)
+        except (smtplib.SMTPException, OSError) as exc:
+            if deadline.expired:
+                raise SmtpRetryableError(
+                    f"sending took longer than {task.config.smtp_timeout:g} s: {exc}"
+                ) from exc
+            if isinstance(exc, smtplib.SMTPException):
+                raise _classify(exc) from exc
+            # refused, unreachable, timeout, TLS failure
+            raise SmtpRetryableError(f"SMTP connection failed: {exc}") from exc
 
 
 def _build_message(task: TaskContext) -> EmailMessage:
@@ -80,12 +84,13 @@ def _build_message(task: TaskContext) -> EmailMessage:
     return message
 
 
-def _send(config: HandlerConfig, message: EmailMessage) -> None:
+def _send(config: HandlerConfig, message: EmailMessage, deadline: SocketDeadline) -> None:
     """Connect to `config.smtp_url`, log in if it carries credentials, send, and quit.
 
     `smtp://` is plain SMTP (no STARTTLS); `smtps://` is implicit TLS with certificate
     verification. Once the server has accepted the message, a failing QUIT is ignored: the mail
-    is sent, and retrying would only send it twice.
+    is sent, and retrying would only send it twice. The connection is registered with
+    `deadline` as soon as it exists, before the TLS handshake and the greeting.
     """
     url = urllib.parse.urlsplit(config.smtp_url)
     try:
@@ -99,13 +104,24 @@ def _send(config: HandlerConfig, message: EmailMessage) -> None:
         )
     host, port = url.hostname, port or _DEFAULT_PORTS[url.scheme]
 
+    class DeadlineSMTP(smtplib.SMTP):
+        # The hook smtplib.SMTP_SSL itself overrides (typeshed does not declare it): the plain
+        # socket, before the TLS handshake and the greeting.
+        def _get_socket(self, host: str, port: int, timeout: float) -> socket.socket:
+            sock: socket.socket = super()._get_socket(host, port, timeout)  # type: ignore[misc]
+            deadline.register(sock)
+            return sock
+
+    class DeadlineSMTPSSL(smtplib.SMTP_SSL, DeadlineSMTP):
+        pass
+
     smtp: smtplib.SMTP
     if url.scheme == "smtps":
-        smtp = smtplib.SMTP_SSL(
-            host, port, timeout=SMTP_TIMEOUT_SECONDS, context=ssl.create_default_context()
+        smtp = DeadlineSMTPSSL(
+            host, port, timeout=deadline.remaining(), context=ssl.create_default_context()
         )
     else:
-        smtp = smtplib.SMTP(host, port, timeout=SMTP_TIMEOUT_SECONDS)
+        smtp = DeadlineSMTP(host, port, timeout=deadline.remaining())
     try:
         if url.username is not None:
             smtp.login(urllib.parse.unquote(url.username), urllib.parse.unquote(url.password or ""))

@@ -14,9 +14,12 @@ import requests
 import urllib3.exceptions
 from marshmallow import RAISE, Schema, fields, validate
 from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 from worker.errors import PermanentTaskError
 from worker.tasktypes.base import TaskContext, TaskType
+from worker.tasktypes.deadline import SocketDeadline
 from worker.tasktypes.fields import HTTP_FIELD_NAME, HTTP_FIELD_VALUE
 
 # How much of a response body or header value an error message may quote: enough to diagnose,
@@ -24,6 +27,12 @@ from worker.tasktypes.fields import HTTP_FIELD_NAME, HTTP_FIELD_VALUE
 _QUOTE_LIMIT = 200
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+
+# The most of a 2xx body read to check it arrived whole; a longer one is not read further.
+_ACKNOWLEDGEMENT_LIMIT = 1 << 20
+
+# Statuses whose response has no body (RFC 9110 sections 15.3.5 and 15.4.5).
+_BODYLESS = frozenset({204, 304})
 
 # Addresses of one name tried before giving up for this attempt: bounds one attempt to a few
 # connect timeouts however many records the name has.
@@ -83,11 +92,14 @@ class _PinnedAdapter(HTTPAdapter):
     """Send to an IP-literal URL while TLS still uses and verifies the original host name.
 
     `server_hostname` sets SNI and the name the certificate must match (urllib3 drops it for
-    plain-http pools), so pinning the address does not weaken HTTPS verification.
+    plain-http pools), so pinning the address does not weaken HTTPS verification. Every
+    socket it opens is registered with `deadline`, which shuts it down when the call's time
+    is up.
     """
 
-    def __init__(self, server_hostname: str) -> None:
+    def __init__(self, server_hostname: str, deadline: SocketDeadline) -> None:
         self._server_hostname = server_hostname
+        self._deadline = deadline
         super().__init__(max_retries=0)
 
     def init_poolmanager(
@@ -96,6 +108,30 @@ class _PinnedAdapter(HTTPAdapter):
         """Create the pool manager with `server_hostname` fixed for every pool it makes."""
         pool_kwargs["server_hostname"] = self._server_hostname
         super().init_poolmanager(connections, maxsize, block=block, **pool_kwargs)
+        deadline = self._deadline
+
+        class DeadlineHTTPConnection(HTTPConnection):
+            def _new_conn(self) -> socket.socket:
+                sock = super()._new_conn()
+                deadline.register(sock)
+                return sock
+
+        class DeadlineHTTPSConnection(HTTPSConnection):
+            def _new_conn(self) -> socket.socket:
+                sock = super()._new_conn()
+                deadline.register(sock)
+                return sock
+
+        class DeadlineHTTPPool(HTTPConnectionPool):
+            ConnectionCls = DeadlineHTTPConnection
+
+        class DeadlineHTTPSPool(HTTPSConnectionPool):
+            ConnectionCls = DeadlineHTTPSConnection
+
+        self.poolmanager.pool_classes_by_scheme = {
+            "http": DeadlineHTTPPool,
+            "https": DeadlineHTTPSPool,
+        }
 
 
 def handle(task: TaskContext) -> None:
@@ -103,14 +139,16 @@ def handle(task: TaskContext) -> None:
 
     The body is always JSON: an absent or null `body` is sent as the four bytes `null` with
     `Content-Type: application/json`, so a receiver's JSON parser never sees an empty body.
-    Redirects are not followed (a redirect could lead past the SSRF guard); timeouts are
-    `config.webhook_timeout` seconds for connect and for each read. The checked addresses are
-    tried in resolver order, moving on only when a connection cannot be opened (nothing was
-    sent), at most `_MAX_ADDRESSES` of them.
+    Redirects are not followed (a redirect could lead past the SSRF guard). The whole call,
+    from the name lookup's answer to the last byte of the response, takes at most
+    `config.webhook_timeout` seconds (`SocketDeadline`), however slowly the server answers.
+    The checked addresses are tried in resolver order, moving on only when a connection
+    cannot be opened (nothing was sent), at most `_MAX_ADDRESSES` of them.
 
     Raises `PermanentTaskError` for a refused target (see `_resolve`), a 3xx, a 4xx other than
     408/429, or a payload that cannot be sent; `WebhookRetryableError` for 408, 429, 5xx,
-    timeouts and connection errors. A 2xx completes the task.
+    timeouts, connection errors and a response that may be cut short (see
+    `_check_acknowledgement`). A whole 2xx completes the task.
     """
     config = task.config
     url = urllib.parse.urlsplit(str(task.payload["url"]))
@@ -124,11 +162,11 @@ def handle(task: TaskContext) -> None:
     headers["Content-Type"] = "application/json"
     headers["Idempotency-Key"] = str(task.task_id)
 
-    with requests.Session() as session:
+    with SocketDeadline(config.webhook_timeout) as deadline, requests.Session() as session:
         # No proxies or ~/.netrc from the environment: a proxy would make its own DNS and routing
         # decisions behind the guard, and netrc could attach our credentials to a user's URL.
         session.trust_env = False
-        session.mount(f"{url.scheme}://", _PinnedAdapter(target.host))
+        session.mount(f"{url.scheme}://", _PinnedAdapter(target.host, deadline))
         addresses = target.addresses[:_MAX_ADDRESSES]
         for index, address in enumerate(addresses):
             try:
@@ -136,18 +174,23 @@ def handle(task: TaskContext) -> None:
                     _pinned_url(url, address, target.port),
                     data=data,
                     headers=headers,
-                    timeout=(config.webhook_timeout, config.webhook_timeout),
+                    timeout=(deadline.remaining(), deadline.remaining()),
                     allow_redirects=False,
-                    stream=True,  # 2xx bodies are never read; error bodies only up to the limit
+                    stream=True,  # bodies are read by `_check_status`, and only so far
                 )
+                with response:
+                    _check_status(response)
             except (requests.exceptions.InvalidHeader, requests.exceptions.InvalidURL) as exc:
                 raise PermanentTaskError(f"webhook request is invalid: {exc}") from exc
             except requests.RequestException as exc:
+                if deadline.expired:
+                    raise WebhookRetryableError(
+                        f"webhook call took longer than {config.webhook_timeout:g} s "
+                        "(WEBHOOK_TIMEOUT_SECONDS)"
+                    ) from exc
                 if _failed_to_connect(exc) and index + 1 < len(addresses):
                     continue
                 raise WebhookRetryableError(f"webhook call failed: {_quote(str(exc))}") from exc
-            with response:
-                _check_status(response)
             return
 
 
@@ -251,9 +294,13 @@ def _request_headers(user_headers: Mapping[str, Any]) -> dict[str, str]:
 
 
 def _check_status(response: requests.Response) -> None:
-    """Return for a 2xx; raise the error that the status code calls for (see `handle`)."""
+    """Return for a whole 2xx; raise the error that the status code calls for (see `handle`).
+
+    Raises `requests.RequestException` when reading the body fails.
+    """
     status = response.status_code
     if 200 <= status < 300:
+        _check_acknowledgement(response)
         return
     if 300 <= status < 400:
         location = _quote(response.headers.get("Location", ""))
@@ -266,6 +313,29 @@ def _check_status(response: requests.Response) -> None:
     if 400 <= status < 500:
         raise PermanentTaskError(detail)
     raise WebhookRetryableError(detail)  # 1xx as final or a non-standard code: try again later
+
+
+def _check_acknowledgement(response: requests.Response) -> None:
+    """Raise `WebhookRetryableError` unless this 2xx provably arrived whole.
+
+    A response cut short in its headers parses as a complete one without a body, so a success
+    must be framed: a `Content-Length` or chunked body, read to its end here (urllib3 raises on
+    a body shorter than its length or an unterminated chunk), or a status that has no body.
+    A body longer than `_ACKNOWLEDGEMENT_LIMIT` is not read further.
+    """
+    if response.status_code in _BODYLESS:
+        return
+    chunked = "chunked" in response.headers.get("Transfer-Encoding", "").lower()
+    if "Content-Length" not in response.headers and not chunked:
+        raise WebhookRetryableError(
+            f"webhook answered {response.status_code} without a Content-Length or a chunked "
+            "body, so it cannot be told from a response cut short; treated as not delivered"
+        )
+    read = 0
+    for chunk in response.iter_content(chunk_size=64 * 1024):
+        read += len(chunk)
+        if read >= _ACKNOWLEDGEMENT_LIMIT:
+            break
 
 
 def _body_excerpt(response: requests.Response) -> str:

@@ -1,7 +1,9 @@
 """Run the real system for scripts and process tests: PostgreSQL, the API, worker supervisors.
 
-Used by `scripts/chaos.py`, `scripts/load.py` and the chaos and outage tests. Every server
-listens on 127.0.0.1 only. Everything started here is stopped by its context manager, also
+Used by the scripts (`scripts.load`, the benchmarks), the chaos run (`devtools.chaos`) and the
+process tests. Every server listens on 127.0.0.1 only. Processes start in the repository root
+(`python -m worker`, `python -m gunicorn ... wsgi:app`), so they import this checkout's
+packages without PYTHONPATH. Everything started here is stopped by its context manager, also
 when the body raises: the API (gunicorn) and each supervisor run in a process group of their
 own (`start_new_session`), which gets SIGTERM, a grace period, then SIGKILL as a whole group,
 so no gunicorn worker or worker child outlives the caller. Output goes to files in a working
@@ -32,11 +34,10 @@ from alembic.config import Config
 from sqlalchemy import Engine, pool, text
 from sqlalchemy.engine import make_url
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from db.engine import make_engine
+from devtools.embedded_postgres import EmbeddedPostgres, free_port
 
-from db.embedded import EmbeddedPostgres, free_port  # noqa: E402  (needs the repo on sys.path)
-from db.engine import make_engine  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # How long a stopped process group gets between SIGTERM and SIGKILL.
 STOP_GRACE_SECONDS = 15.0
@@ -165,7 +166,6 @@ def _base_env(database_url: str, workdir: Path, env: Mapping[str, str] | None) -
     return {
         **os.environ,
         "DATABASE_URL": database_url,
-        "PYTHONPATH": str(ROOT),
         # One directory per process tree (docs/stack-notes.md): the API's and each
         # supervisor's differ.
         "PROMETHEUS_MULTIPROC_DIR": str(workdir / "prometheus"),

@@ -1,4 +1,4 @@
-"""An embedded PostgreSQL 16 for `make run` and `make test` where no server is configured.
+"""An embedded PostgreSQL 16 for `make run`, tests and scripts when no server is configured.
 
 Uses the server binaries shipped in the `pgserver` wheel (the `embedded` extra) but drives
 `initdb`/`pg_ctl` itself, so the server listens on 127.0.0.1:<port> (worker children and
@@ -69,7 +69,7 @@ class EmbeddedPostgres:
         if self._user is not None:
             kwargs["user"] = self._user
         # Fixed binaries from the wheel, argument lists, no shell.
-        result = subprocess.run(  # noqa: S603
+        result = subprocess.run(
             cmd,
             capture_output=True,
             text=True,
@@ -88,7 +88,7 @@ class EmbeddedPostgres:
         try:
             pwd.getpwnam(self._user)
         except KeyError:
-            subprocess.run(["useradd", "-s", "/bin/sh", self._user], check=True)  # noqa: S603, S607
+            subprocess.run(["useradd", "-s", "/bin/sh", self._user], check=True)
         entry = pwd.getpwnam(self._user)
         # The server user must traverse every parent of the data directory and run the binaries.
         traverse = stat.S_IXGRP | stat.S_IXOTH | stat.S_IRGRP | stat.S_IROTH
