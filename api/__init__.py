@@ -42,7 +42,9 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
         },
     )
     api_logging.init_app(app, level=settings.log_level, fmt=settings.log_format)
-    database.init_app(app, settings.database_url)
+    database.init_app(
+        app, settings.database_url, transaction_pooling=settings.database_pool_mode == "transaction"
+    )
     api = errors.FairqApi(app)
     errors.register(app)
     for blp in (system_blp, companies_blp, tasks_blp, workers_blp):

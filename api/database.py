@@ -16,21 +16,25 @@ _PROBE_EXT = "fairq.database.probe"
 MIN_CONNECT_TIMEOUT_SECONDS = 2
 
 
-def init_app(app: Flask, database_url: str) -> None:
+def init_app(app: Flask, database_url: str, *, transaction_pooling: bool = False) -> None:
     """Create the app's engines and close the request's session at teardown.
 
     Besides the pooled engine of the views, a probe engine for `/ready`: no pool (each probe
     opens a fresh connection, so it proves the server accepts connections, and never waits
     on a pooled socket to a hung server) and a connect timeout derived from the readiness
     timeout (`FAIRQ_SETTINGS.ready_timeout_ms`) instead of the views' 5 seconds.
+    `transaction_pooling`: `database_url` is a transaction pooler (`db.engine.make_engine`).
     """
-    engine = make_engine(database_url, application_name="fairq-api")
+    engine = make_engine(
+        database_url, application_name="fairq-api", transaction_pooling=transaction_pooling
+    )
     app.extensions[_EXT] = (engine, make_sessionmaker(engine))
     settings = app.config.get("FAIRQ_SETTINGS")
     timeout_ms = settings.ready_timeout_ms if settings is not None else 1000
     app.extensions[_PROBE_EXT] = make_engine(
         database_url,
         application_name="fairq-api-probe",
+        transaction_pooling=transaction_pooling,
         poolclass=pool.NullPool,
         connect_args={
             "connect_timeout": max(MIN_CONNECT_TIMEOUT_SECONDS, math.ceil(timeout_ms / 1000))

@@ -1,8 +1,8 @@
 """API settings: the only place the API process reads the environment (design §8).
 
 Built on the same parsers as the worker's (`worker.environment`), which also read, with their
-one default, the variables the two share: `DATABASE_URL`, logging, the stale window, the
-notify channel and the handlers' settings.
+one default, the variables the two share: `DATABASE_URL`, `DATABASE_POOL_MODE`, logging, the
+stale window, the notify channel and the handlers' settings.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ from worker.environment import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
     DEFAULT_NOTIFY_CHANNEL,
+    DEFAULT_POOL_MODE,
     DEFAULT_STALE_AFTER_SECONDS,
     SettingsError,
     env_handler_config,
     env_logging,
     env_notify_channel,
+    env_pool_mode,
     env_stale_after,
     env_url,
 )
@@ -30,6 +32,7 @@ from worker.tasktypes.base import HandlerConfig
 class ApiSettings:
     """Settings of one API process, validated at start.
 
+    `database_pool_mode`: `DATABASE_POOL_MODE`, as for the worker;
     `admin_token`: bearer token for admin endpoints, or None (they then answer 503);
     `notify_channel`: PostgreSQL channel woken on task creation (shared with the worker);
     `ready_timeout_ms`: statement timeout of the readiness probe and the queue collector;
@@ -40,6 +43,7 @@ class ApiSettings:
     """
 
     database_url: str
+    database_pool_mode: str = DEFAULT_POOL_MODE
     admin_token: str | None = None
     notify_channel: str = DEFAULT_NOTIFY_CHANNEL
     ready_timeout_ms: int = 1000
@@ -64,6 +68,7 @@ class ApiSettings:
         log_level, log_format = env_logging(env)
         return cls(
             database_url=env_url(env),
+            database_pool_mode=env_pool_mode(env),
             admin_token=token,
             notify_channel=env_notify_channel(env),
             stale_after_seconds=env_stale_after(env),

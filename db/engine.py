@@ -27,6 +27,7 @@ def make_engine(
     *,
     application_name: str = "fairq",
     statement_timeout_ms: int | None = None,
+    transaction_pooling: bool = False,
     **kwargs: Any,
 ) -> Engine:
     """Build an engine for a `postgresql+psycopg://` URL.
@@ -38,13 +39,22 @@ def make_engine(
     API's views may legitimately run long) makes the server cancel any statement, lock waits
     included, after that long. Extra keyword arguments go to `create_engine` (tests pass
     `poolclass`).
+
+    `transaction_pooling`: `url` is a transaction pooler (PgBouncer's `pool_mode =
+    transaction`), which hands each transaction whichever server connection is free. Then no
+    statement is prepared by name (psycopg's `prepare_threshold`: a name prepared on one server
+    connection is unknown, or already taken, on the next) and no startup `options` are sent
+    (PgBouncer refuses them), so `statement_timeout_ms` is not applied: set
+    `statement_timeout` on the database role or PgBouncer's `query_timeout` instead.
     """
     connect_args = kwargs.pop("connect_args", {})
     connect_args.setdefault("application_name", application_name)
     connect_args.setdefault("connect_timeout", 5)
     for name, value in TCP_ARGS.items():
         connect_args.setdefault(name, value)
-    if statement_timeout_ms is not None:
+    if transaction_pooling:
+        connect_args["prepare_threshold"] = None
+    elif statement_timeout_ms is not None:
         timeout = f"-c statement_timeout={int(statement_timeout_ms)}"
         given = connect_args.get("options")
         connect_args["options"] = f"{given} {timeout}" if given else timeout

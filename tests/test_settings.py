@@ -111,6 +111,8 @@ def test_worker_settings_need_database_url() -> None:
         ("TASK_RETENTION_DAYS", "nan"),
         ("WEBHOOK_ALLOW_PRIVATE", "maybe"),
         ("WEBHOOK_TIMEOUT_SECONDS", "0"),
+        ("DATABASE_POOL_MODE", "statement"),
+        ("LISTEN_DATABASE_URL", "mysql://host/db"),
         ("LOG_LEVEL", "LOUD"),
         ("DATABASE_URL", "mysql://db/fairq"),
     ],
@@ -243,3 +245,12 @@ def test_the_readme_states_each_default_the_settings_have(name: str) -> None:
     stated = {"DATABASE_URL": URL, name: readme_defaults()[name]}
 
     assert WorkerSettings.from_env(stated) == WorkerSettings.from_env({"DATABASE_URL": URL})
+
+
+def test_children_listen_on_the_database_unless_it_is_a_transaction_pooler() -> None:
+    direct = "postgresql+psycopg://fairq@db-host/fairq"
+    pooled = {"DATABASE_URL": URL, "DATABASE_POOL_MODE": "transaction"}
+
+    assert WorkerSettings.from_env({"DATABASE_URL": URL}).listen_url == URL
+    assert WorkerSettings.from_env(pooled).listen_url is None
+    assert WorkerSettings.from_env({**pooled, "LISTEN_DATABASE_URL": direct}).listen_url == direct

@@ -124,17 +124,29 @@ class Listener:
     """A dedicated autocommit connection that LISTENs on the task channel.
 
     `fileno()` is None while disconnected; `drain()` returns how many notifications were
-    waiting, and raises `psycopg.Error` (after closing) when the connection is gone.
+    waiting, and raises `psycopg.Error` (after closing) when the connection is gone. With no
+    `database_url` (`WorkerSettings.listen_url`) it never connects: the child only polls.
     """
 
-    def __init__(self, database_url: str, channel: str) -> None:
-        self._conninfo = make_url(database_url).set(drivername="postgresql").render_as_string(False)
+    def __init__(self, database_url: str | None, channel: str) -> None:
+        self._conninfo = (
+            None
+            if database_url is None
+            else make_url(database_url).set(drivername="postgresql").render_as_string(False)
+        )
         self._channel = channel
         self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether there is a URL to LISTEN on."""
+        return self._conninfo is not None
 
     def connect(self) -> None:
         """Open the connection and LISTEN; raises `psycopg.Error` on failure."""
         self.close()
+        if self._conninfo is None:
+            return
         conn = psycopg.connect(
             # An idle listener on a black-holed network would otherwise wait for a NOTIFY
             # that can never arrive, without noticing: keepalives find the dead peer.
@@ -190,7 +202,7 @@ class Child:
         self._sweep_schedule: processing.SweepSchedule | None = None
         self._keeper: processing.LeaseKeeper | None = None
         self._orphan_check_at = 0.0  # time.monotonic() of the next look at the parent pid
-        self._listener = Listener(settings.database_url, settings.notify_channel)
+        self._listener = Listener(settings.listen_url, settings.notify_channel)
         self._listen_backoff = backoff.Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
         self._listen_retry_at = 0.0
         self._next_maintenance = time.monotonic() + random.uniform(0, 10)
@@ -249,6 +261,7 @@ class Child:
             self.settings.database_url,
             application_name=APPLICATION_NAME,
             statement_timeout_ms=processing.WORKER_STATEMENT_TIMEOUT_MS,
+            transaction_pooling=self.settings.transaction_pooling,
         )
         self._sessions = db_engine.make_sessionmaker(self._engine)
         # A database that is restarting (a deploy, a failover) is waited out for
@@ -270,6 +283,9 @@ class Child:
                 self._wait(delay, listen=False)
                 if self.should_stop():
                     return None  # stopping anyway: the loop exits at once, status 0
+        if not self._listener.enabled:
+            log.info("DATABASE_POOL_MODE=transaction and no LISTEN_DATABASE_URL: "
+                     "polling every %gs, no wake-ups", self.settings.poll_interval)  # fmt: skip
         try:
             self._listener.connect()
         except psycopg.Error as exc:  # not fatal: polling alone works
@@ -370,7 +386,12 @@ class Child:
         deadline = time.monotonic() + timeout
         while not self.should_stop():
             now = time.monotonic()
-            relisten = listen and self._listener.fileno() is None and now >= self._listen_retry_at
+            relisten = (
+                listen
+                and self._listener.enabled
+                and self._listener.fileno() is None
+                and now >= self._listen_retry_at
+            )
             if relisten and self._relisten():
                 return  # notifications may have been missed meanwhile: look now
             remaining = deadline - now

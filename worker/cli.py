@@ -149,6 +149,7 @@ def run_once(settings: WorkerSettings) -> int:
         settings.database_url,
         application_name="fairq-worker-once",
         statement_timeout_ms=processing.WORKER_STATEMENT_TIMEOUT_MS,
+        transaction_pooling=settings.transaction_pooling,
     )
     sessions = db_engine.make_sessionmaker(engine)
     unwritten = processing.UnwrittenOutcomes()

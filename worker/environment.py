@@ -2,8 +2,8 @@
 
 `worker.settings` and `api.settings` are built on this module, so every variable is validated
 the same way and every error names its variable. A variable both process kinds read
-(`DATABASE_URL`, `LOG_LEVEL`, `LOG_FORMAT`, `STALE_AFTER_SECONDS`, `NOTIFY_CHANNEL` and the
-handlers' `SMTP_*`, `WEBHOOK_*`) is parsed here, with its one default.
+(`DATABASE_URL`, `DATABASE_POOL_MODE`, `LOG_LEVEL`, `LOG_FORMAT`, `STALE_AFTER_SECONDS`,
+`NOTIFY_CHANNEL` and the handlers' `SMTP_*`, `WEBHOOK_*`) is parsed here, with its one default.
 
 In `worker` because the layers (api -> worker -> db) let the API import it and these are the
 worker's variables (leases, wake-ups, handlers); it imports nothing of the worker but
@@ -30,6 +30,10 @@ DEFAULT_LOG_LEVEL = "INFO"
 DEFAULT_LOG_FORMAT = "text"
 DEFAULT_STALE_AFTER_SECONDS = 300.0
 DEFAULT_NOTIFY_CHANNEL = "fairq_tasks"
+# PgBouncer's names for what one client connection may rely on: a server session of its own
+# ("session", also a direct connection) or one only for the length of a transaction.
+POOL_MODES = ("session", "transaction")
+DEFAULT_POOL_MODE = "session"
 
 
 # -- parsers --------------------------------------------------------------------------------
@@ -101,6 +105,22 @@ def env_url(env: Mapping[str, str], name: str = "DATABASE_URL") -> str:
     if not value.startswith("postgresql+psycopg://"):
         raise SettingsError(f"{name} must be a postgresql+psycopg:// URL, got {value[:30]!r}")
     return value
+
+
+def env_optional_url(env: Mapping[str, str], name: str) -> str | None:
+    """Like `env_url`, but None when the variable is unset or empty."""
+    return env_url(env, name) if env.get(name, "").strip() else None
+
+
+def env_pool_mode(env: Mapping[str, str]) -> str:
+    """`DATABASE_POOL_MODE`: `transaction` when `DATABASE_URL` goes through a transaction pooler.
+
+    Connections then prepare no statements and send no startup options (design §8).
+    """
+    mode = env_str(env, "DATABASE_POOL_MODE", DEFAULT_POOL_MODE).lower()
+    if mode not in POOL_MODES:
+        raise SettingsError(f"DATABASE_POOL_MODE must be one of {', '.join(POOL_MODES)}")
+    return mode
 
 
 def env_logging(env: Mapping[str, str]) -> tuple[str, str]:

@@ -17,12 +17,15 @@ from worker.environment import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
     DEFAULT_NOTIFY_CHANNEL,
+    DEFAULT_POOL_MODE,
     DEFAULT_STALE_AFTER_SECONDS,
     env_float,
     env_handler_config,
     env_int,
     env_logging,
     env_notify_channel,
+    env_optional_url,
+    env_pool_mode,
     env_stale_after,
     env_str,
     env_url,
@@ -61,6 +64,8 @@ class WorkerSettings(PassSettings):
     """
 
     database_url: str
+    database_pool_mode: str = DEFAULT_POOL_MODE
+    listen_database_url: str | None = None
     concurrency: int = 2
     poll_interval: float = 1.0
     shutdown_timeout: float = 30.0
@@ -91,6 +96,8 @@ class WorkerSettings(PassSettings):
         # A field's class attribute is its default (`dataclasses`): each is written once.
         return cls(
             database_url=env_url(env),
+            database_pool_mode=env_pool_mode(env),
+            listen_database_url=env_optional_url(env, "LISTEN_DATABASE_URL"),
             concurrency=env_int(env, "WORKER_CONCURRENCY", cls.concurrency, minimum=1, maximum=256),
             batch_size=env_int(env, "WORKER_BATCH_SIZE", cls.batch_size, minimum=1, maximum=10_000),
             poll_interval=env_float(
@@ -114,3 +121,19 @@ class WorkerSettings(PassSettings):
             notify_channel=env_notify_channel(env),
             handler_config=env_handler_config(env),
         )
+
+    @property
+    def transaction_pooling(self) -> bool:
+        """`DATABASE_URL` goes through a transaction pooler (`DATABASE_POOL_MODE=transaction`)."""
+        return self.database_pool_mode == "transaction"
+
+    @property
+    def listen_url(self) -> str | None:
+        """Where a child LISTENs for wake-ups, or None to poll only.
+
+        LISTEN needs a server session of its own, which a transaction pooler does not keep:
+        behind one, only `LISTEN_DATABASE_URL` (a direct or session-pooled URL) is used.
+        """
+        if self.listen_database_url is not None:
+            return self.listen_database_url
+        return None if self.transaction_pooling else self.database_url
