@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 .PHONY: help run test lint typecheck pytest clean
 
 help:
-	@echo "make run    start PostgreSQL (embedded unless DATABASE_URL), migrations, API on :8000, worker"
+	@echo "make run    start PostgreSQL (embedded unless DATABASE_URL), migrations, API on :8000, worker (ports: README)"
 	@echo "make test   ruff, ruff format --check, mypy, import contracts, pytest with coverage"
 	@echo "make clean  remove the virtualenv and local data (.venv, .pgdata, .run)"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flask import Flask
 
-from api import database, errors, metrics
+from api import auth, database, errors, metrics
 from api import logging as api_logging
 from api.settings import ApiSettings
 
@@ -43,8 +43,12 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     )
     api_logging.init_app(app, level=settings.log_level, fmt=settings.log_format)
     database.init_app(
-        app, settings.database_url, transaction_pooling=settings.database_pool_mode == "transaction"
+        app,
+        settings.database_url,
+        transaction_pooling=settings.database_pool_mode == "transaction",
+        pool_size=settings.database_pool_size,
     )
+    auth.init_app(app)
     api = errors.FairqApi(app)
     errors.register(app)
     for blp in (system_blp, companies_blp, tasks_blp, workers_blp):

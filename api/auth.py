@@ -2,6 +2,10 @@
 
 RFC 6750: a missing or invalid token is a 401 with `WWW-Authenticate: Bearer`. A company key
 used on another company's path is a 404, never a 403, so ids of other tenants do not leak.
+
+A key found in the database is remembered for `KEY_CACHE_SECONDS` (per process, by its
+hash), so a tenant's requests cost no lookup of their own; a deleted or replaced key keeps
+working at most that long. A key that matches nothing is never remembered.
 """
 
 from __future__ import annotations
@@ -10,18 +14,26 @@ import functools
 import hashlib
 import hmac
 import secrets
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
-from flask import current_app, g, request
+from flask import Flask, current_app, g, request
 from flask_smorest import abort
 
 from api import database
 from db import companies
 
 API_KEY_PREFIX = "fq_"
+# How long a key found in the database is trusted without asking again.
+KEY_CACHE_SECONDS = 5.0
+# Keys remembered per process; past that the cache starts over (an attacker's random keys
+# are never added: only keys that exist are).
+KEY_CACHE_SIZE = 10_000
+
+_KEYS_EXT = "fairq.auth.keys"
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -37,6 +49,56 @@ class Principal:
     def is_admin(self) -> bool:
         """True for the admin token."""
         return self.company_id is None
+
+
+class KeyCache:
+    """Key hash -> company id, each entry trusted for `ttl` seconds of `clock`.
+
+    Thread-safe without a lock: single dict operations are atomic, and a lost race only
+    costs one more lookup.
+    """
+
+    def __init__(
+        self,
+        ttl: float = KEY_CACHE_SECONDS,
+        size: int = KEY_CACHE_SIZE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ttl = ttl
+        self.size = size
+        self.clock = clock
+        self._entries: dict[str, tuple[uuid.UUID, float]] = {}
+
+    def get(self, key_hash: str) -> uuid.UUID | None:
+        """The company of `key_hash` if it was found less than `ttl` seconds ago."""
+        entry = self._entries.get(key_hash)
+        if entry is None:
+            return None
+        if self.clock() >= entry[1]:
+            self._entries.pop(key_hash, None)
+            return None
+        return entry[0]
+
+    def put(self, key_hash: str, company_id: uuid.UUID) -> None:
+        """Remember that `key_hash` belongs to `company_id`, for `ttl` seconds from now."""
+        if len(self._entries) >= self.size:
+            self._entries.clear()
+        self._entries[key_hash] = (company_id, self.clock() + self.ttl)
+
+    def clear(self) -> None:
+        """Forget every key."""
+        self._entries.clear()
+
+
+def init_app(app: Flask) -> None:
+    """Give `app` its key cache."""
+    app.extensions[_KEYS_EXT] = KeyCache()
+
+
+def key_cache(app: Flask) -> KeyCache:
+    """The key cache of `app`."""
+    cache: KeyCache = app.extensions[_KEYS_EXT]
+    return cache
 
 
 def new_api_key() -> str:
@@ -76,11 +138,16 @@ def authenticate() -> Principal:
     if admin is not None and hmac.compare_digest(token.encode(), admin.encode()):
         principal = Principal(company_id=None)
     else:
-        company = companies.find_company_by_key_hash(database.session(), hash_api_key(token))
-        if company is None:
-            _unauthorized("invalid bearer token")
-            raise AssertionError("unreachable")  # abort raises; this satisfies the type checker
-        principal = Principal(company_id=company.id)
+        key_hash = hash_api_key(token)
+        cache = key_cache(current_app)
+        company_id = cache.get(key_hash)
+        if company_id is None:
+            company_id = companies.find_company_id_by_key_hash(database.session(), key_hash)
+            if company_id is None:
+                _unauthorized("invalid bearer token")
+                raise AssertionError("unreachable")  # abort raises; this satisfies mypy
+            cache.put(key_hash, company_id)
+        principal = Principal(company_id=company_id)
     g.fairq_principal = principal
     return principal
 

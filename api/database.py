@@ -12,23 +12,47 @@ from db.engine import make_engine, make_sessionmaker
 
 _EXT = "fairq.database"
 _PROBE_EXT = "fairq.database.probe"
+_REQUEST_EXT = "fairq.database.request"
+# A pooled connection idle longer than this is pinged before use (a restart is survived).
+PING_AFTER_IDLE_SECONDS = 1.0
 # libpq (and psycopg) take whole seconds and treat anything below 2 as 2.
 MIN_CONNECT_TIMEOUT_SECONDS = 2
 
 
-def init_app(app: Flask, database_url: str, *, transaction_pooling: bool = False) -> None:
+def init_app(
+    app: Flask, database_url: str, *, transaction_pooling: bool = False, pool_size: int = 4
+) -> None:
     """Create the app's engines and close the request's session at teardown.
 
-    Besides the pooled engine of the views, a probe engine for `/ready`: no pool (each probe
-    opens a fresh connection, so it proves the server accepts connections, and never waits
-    on a pooled socket to a hung server) and a connect timeout derived from the readiness
-    timeout (`FAIRQ_SETTINGS.ready_timeout_ms`) instead of the views' 5 seconds.
+    The views' engine keeps `pool_size` connections (one per request thread: a request holds
+    at most one at a time) plus as many again in overflow for bursts and `POST
+    /workers/process`; it pings a connection only after `PING_AFTER_IDLE_SECONDS` in the pool
+    (`db.engine.make_engine`), not on every checkout. Besides it, a probe engine for `/ready`:
+    no pool (each probe opens a fresh connection, so it proves the server accepts
+    connections, and never waits on a pooled socket to a hung server) and a connect timeout
+    derived from the readiness timeout (`FAIRQ_SETTINGS.ready_timeout_ms`) instead of the
+    views' 5 seconds.
     `transaction_pooling`: `database_url` is a transaction pooler (`db.engine.make_engine`).
     """
     engine = make_engine(
-        database_url, application_name="fairq-api", transaction_pooling=transaction_pooling
+        database_url,
+        application_name="fairq-api",
+        transaction_pooling=transaction_pooling,
+        ping_after_idle=PING_AFTER_IDLE_SECONDS,
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        # The most recently used connection first: under light load the surplus stays idle
+        # (and is pinged once before its next use) instead of every connection going stale.
+        pool_use_lifo=True,
     )
-    app.extensions[_EXT] = (engine, make_sessionmaker(engine))
+    factory = make_sessionmaker(engine)
+    app.extensions[_EXT] = (engine, factory)
+    # The request session's statements each commit on their own (no BEGIN, COMMIT or
+    # ROLLBACK round trips): every view's read or write is one statement (design §3).
+    app.extensions[_REQUEST_EXT] = (
+        factory,
+        make_sessionmaker(engine.execution_options(isolation_level="AUTOCOMMIT")),
+    )
     settings = app.config.get("FAIRQ_SETTINGS")
     timeout_ms = settings.ready_timeout_ms if settings is not None else 1000
     app.extensions[_PROBE_EXT] = make_engine(
@@ -66,11 +90,19 @@ def probe_engine() -> Engine:
 
 
 def session() -> Session:
-    """The request's session, created on first use; views commit it once at the end."""
-    if "db_session" not in g:
+    """The request's session, created on first use, in autocommit: each statement commits.
+
+    Every view's read or write is one statement, so that is the same guarantee as one commit
+    at the end, without its round trips; `session.commit()` in a view is then a no-op. Work
+    of several statements that must commit together takes a session of `session_factory()`.
+    A session factory installed in place of the app's own (tests join sessions to an outer
+    transaction) is used as it is.
+    """
+    current: Session | None = g.get("db_session")
+    if current is None:
         pair: tuple[Engine, sessionmaker[Session]] = current_app.extensions[_EXT]
-        g.db_session = pair[1]()
-    current: Session = g.db_session
+        own, autocommit = current_app.extensions[_REQUEST_EXT]
+        current = g.db_session = (autocommit if pair[1] is own else pair[1])()
     return current
 
 

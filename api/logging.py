@@ -66,6 +66,9 @@ def _finish(response: Response) -> Response:
     started: float | None = g.get("fairq_started")
     rid: str = g.get("fairq_request_id") or request_id(None)
     response.headers[REQUEST_ID_HEADER] = rid
+    level = logging.WARNING if response.status_code >= 500 else logging.INFO
+    if not log.isEnabledFor(level):
+        return response
     duration_ms = round((time.perf_counter() - started) * 1000, 3) if started else None
     rule = request.url_rule
     fields: dict[str, object] = {
@@ -93,7 +96,7 @@ def _finish(response: Response) -> Response:
         fields["task_id"] = task_id
         who += f", task {task_id}"
     log.log(
-        logging.WARNING if response.status_code >= 500 else logging.INFO,
+        level,
         "%s %s %d in %s ms (request %s%s)",
         request.method, where, response.status_code, duration_ms, rid, who,
         extra=fields,

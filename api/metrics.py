@@ -12,7 +12,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from flask import Flask
+from flask import Flask, Request
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -22,11 +22,27 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from db import statistics
+from worker import tasktypes
+from worker.metrics import TaskMetrics
 
 log = logging.getLogger("fairq.api.metrics")
 
-# Route templates, never raw paths: a path label would grow with every task id.
-GROUP_BY = "url_rule"
+# The `url_rule` label of a request no route matched (404, or 405 for a method the path
+# does not take): one fixed value, as a raw path would grow with every probe and typo.
+UNMATCHED_RULE = "<unmatched>"
+
+_TASK_METRICS = "fairq.task_metrics"
+
+
+def url_rule(request: Request) -> str:
+    """The route template that matched `request`, else `UNMATCHED_RULE`.
+
+    The exporter's `group_by="url_rule"` gives route templates, but "None" when no route
+    matched; a callable's `__name__` is the label's name, so this one keeps `url_rule`.
+    """
+    rule = request.url_rule
+    return UNMATCHED_RULE if rule is None else rule.rule
+
 
 TASKS_BY_STATUS_HELP = (
     "Tasks currently in each status. Exact while a live status (pending, processing) has at "
@@ -36,9 +52,19 @@ TASKS_BY_STATUS_HELP = (
     "ANALYZE)."
 )
 
+OLDEST_XMIN_HOLDER_HELP = (
+    "Seconds since the start of the transaction holding back cleanup on this database: of the "
+    "sessions on it (idle in transaction included) and its prepared transactions, the one "
+    "with the oldest snapshot (xmin) or transaction id, aged from its xact_start (its PREPARE "
+    "for a prepared one); 0 if none. While it stays open VACUUM cannot remove the queue's dead "
+    "rows and claims slow down. Not covered: replication slots' xmin, and other roles' "
+    "sessions unless the API's role has pg_read_all_stats."
+)
+
 
 class QueueCollector(Collector):
-    """`tasks_by_status{status}` and `oldest_eligible_pending_age_seconds`, read per scrape.
+    """`tasks_by_status{status}`, `oldest_eligible_pending_age_seconds` and
+    `oldest_xmin_holder_age_seconds`, read per scrape.
 
     The queries (`db.statistics`, bounded in cost whatever the table's size) run under
     `statement_timeout` (`timeout_ms`); on any database error the collector yields nothing,
@@ -72,6 +98,7 @@ class QueueCollector(Collector):
                     conn, live_limit=self._live_limit, terminal_limit=self._terminal_limit
                 )
                 oldest = statistics.oldest_eligible_pending_age(conn)
+                holder = statistics.oldest_xmin_holder_age(conn)
         except SQLAlchemyError as exc:
             log.warning("queue metrics skipped: %s", exc.__class__.__name__)
             return
@@ -83,6 +110,9 @@ class QueueCollector(Collector):
             "oldest_eligible_pending_age_seconds",
             "Age of the oldest pending task that may run now (now - run_after), in seconds.",
             value=oldest,
+        )
+        yield GaugeMetricFamily(
+            "oldest_xmin_holder_age_seconds", OLDEST_XMIN_HOLDER_HELP, value=holder
         )
 
 
@@ -135,8 +165,18 @@ def init_app(app: Flask, engine: Engine, *, timeout_ms: int, multiprocess: bool)
         QueueCollector(engine, timeout_ms),
         multiprocess,
         path="/metrics",
-        group_by=GROUP_BY,
+        # Route templates, never raw paths: a path label would grow with every task id.
+        group_by=url_rule,
         registry=registry,
         default_labels={},
     )
     app.extensions["fairq.metrics"] = metrics
+    # The worker's task counters, for the passes POST /workers/process runs in this process:
+    # same names and labels, so dashboards and alerts sum the API's tasks with the workers'.
+    app.extensions[_TASK_METRICS] = TaskMetrics(tasktypes.names(), registry=registry)
+
+
+def task_metrics(app: Flask) -> TaskMetrics:
+    """The task counters of `app`'s process, the observer of its processing passes."""
+    metrics: TaskMetrics = app.extensions[_TASK_METRICS]
+    return metrics

@@ -19,6 +19,7 @@ from worker.environment import (
     DEFAULT_STALE_AFTER_SECONDS,
     SettingsError,
     env_handler_config,
+    env_int,
     env_logging,
     env_notify_channel,
     env_pool_mode,
@@ -33,6 +34,8 @@ class ApiSettings:
     """Settings of one API process, validated at start.
 
     `database_pool_mode`: `DATABASE_POOL_MODE`, as for the worker;
+    `database_pool_size`: pooled connections kept per process, `GUNICORN_THREADS` (a request
+    holds one connection at a time, so one per thread; design §3 "Connections");
     `admin_token`: bearer token for admin endpoints, or None (they then answer 503);
     `notify_channel`: PostgreSQL channel woken on task creation (shared with the worker);
     `ready_timeout_ms`: statement timeout of the readiness probe and the queue collector;
@@ -44,6 +47,7 @@ class ApiSettings:
 
     database_url: str
     database_pool_mode: str = DEFAULT_POOL_MODE
+    database_pool_size: int = 4
     admin_token: str | None = None
     notify_channel: str = DEFAULT_NOTIFY_CHANNEL
     ready_timeout_ms: int = 1000
@@ -69,6 +73,8 @@ class ApiSettings:
         return cls(
             database_url=env_url(env),
             database_pool_mode=env_pool_mode(env),
+            # The same variable and default as deploy/gunicorn.conf.py's `threads`.
+            database_pool_size=env_int(env, "GUNICORN_THREADS", 4, minimum=1, maximum=1000),
             admin_token=token,
             notify_channel=env_notify_channel(env),
             stale_after_seconds=env_stale_after(env),

@@ -6,7 +6,7 @@ import enum
 import uuid
 from typing import Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import insert, update
 from sqlalchemy.orm import Session
 
 from db import errors
@@ -85,6 +85,16 @@ def update_company_limits(
     return company
 
 
-def find_company_by_key_hash(session: Session, api_key_hash: str) -> Company | None:
-    """The company whose API key hashes to `api_key_hash`, or None."""
-    return session.scalars(select(Company).where(Company.api_key_hash == api_key_hash)).first()
+_COMPANY_ID_BY_KEY_HASH = "SELECT id FROM companies WHERE api_key_hash = %(hash)s"
+
+
+def find_company_id_by_key_hash(session: Session, api_key_hash: str) -> uuid.UUID | None:
+    """The id of the company whose API key hashes to `api_key_hash`, or None.
+
+    Authentication's lookup: one indexed read (the unique constraint on `api_key_hash`),
+    sent as plain SQL with no ORM object built.
+    """
+    result = session.connection().exec_driver_sql(_COMPANY_ID_BY_KEY_HASH, {"hash": api_key_hash})
+    found = result.scalar_one_or_none()
+    assert found is None or isinstance(found, uuid.UUID)  # psycopg loads uuid as UUID
+    return found

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import psycopg
-from sqlalchemy import Engine, create_engine
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 # libpq parameters of every connection (psycopg passes them through). Without them a call on
@@ -28,6 +29,7 @@ def make_engine(
     application_name: str = "fairq",
     statement_timeout_ms: int | None = None,
     transaction_pooling: bool = False,
+    ping_after_idle: float | None = None,
     **kwargs: Any,
 ) -> Engine:
     """Build an engine for a `postgresql+psycopg://` URL.
@@ -46,6 +48,12 @@ def make_engine(
     connection is unknown, or already taken, on the next) and no startup `options` are sent
     (PgBouncer refuses them), so `statement_timeout_ms` is not applied: set
     `statement_timeout` on the database role or PgBouncer's `query_timeout` instead.
+
+    `ping_after_idle` (seconds; the API): instead of `pool_pre_ping`'s round trip on every
+    checkout, ping only a connection that sat in the pool longer than that. A busy connection
+    is not pinged; after a restart or an outage the pooled connections have been idle, so
+    they are pinged and replaced. One used within that window before a restart fails its
+    request's first statement (a 503 in the API), and SQLAlchemy then invalidates the pool.
     """
     connect_args = kwargs.pop("connect_args", {})
     connect_args.setdefault("application_name", application_name)
@@ -59,7 +67,33 @@ def make_engine(
         given = connect_args.get("options")
         connect_args["options"] = f"{given} {timeout}" if given else timeout
     kwargs.setdefault("hide_parameters", True)
-    return create_engine(url, pool_pre_ping=True, connect_args=connect_args, **kwargs)
+    engine = create_engine(
+        url, pool_pre_ping=ping_after_idle is None, connect_args=connect_args, **kwargs
+    )
+    if ping_after_idle is not None:
+        _ping_after_idle(engine, ping_after_idle)
+    return engine
+
+
+_IDLE_SINCE = "fairq_idle_since"
+
+
+def _ping_after_idle(engine: Engine, seconds: float) -> None:
+    @event.listens_for(engine, "checkin")
+    def _checked_in(dbapi_connection: Any, record: Any) -> None:
+        record.info[_IDLE_SINCE] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checked_out(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        idle_since = record.info.pop(_IDLE_SINCE, None)
+        if idle_since is None or time.monotonic() - idle_since <= seconds:
+            return
+        try:
+            # The dialect's ping: `SELECT 1` in autocommit, leaving no transaction open.
+            engine.dialect.do_ping(dbapi_connection)
+        except engine.dialect.loaded_dbapi.Error as exc:
+            # The pool discards this connection and checks out another (a new one if need be).
+            raise DisconnectionError(f"idle connection failed its ping: {exc}") from exc
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

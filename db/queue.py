@@ -1,5 +1,10 @@
 """Every statement that reads or moves tasks through the state machine (design §4).
 
+One cohesive thing, kept in one module on purpose: the statements of one state machine
+(create, claim, lease expiry, heartbeat, finalize), which must agree on its states, its
+indexes and its locks, read side by side. Sections: the API's statements, then the worker's.
+The claim's weighting is pure Python in `db.fair_share`.
+
 Callers own the session and commit; functions here never commit. Timestamps always come
 from the database clock (`now()`), never from Python.
 """
@@ -15,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import psycopg
-from sqlalchemy import CursorResult, func, select, text, update
+from psycopg.types.json import Jsonb
+from sqlalchemy import CursorResult, func, text, update
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from db import errors, fair_share
@@ -26,6 +31,87 @@ from db.models import Task, TaskStatus
 # ---------------------------------------------------------------------------------------------
 # API-side statements: create, read, list, cancel, retry
 # ---------------------------------------------------------------------------------------------
+
+
+class TaskRecord(NamedTuple):
+    """A task as the API returns it: the columns of `tasks` a client sees, plus `request_hash`.
+
+    What `create_task`, `get_task` and `list_tasks` return, read straight from the driver's
+    rows: the API's hot path builds no ORM object. Their statements select these columns in
+    this order.
+    """
+
+    id: uuid.UUID
+    company_id: uuid.UUID
+    type: str
+    payload: dict[str, Any]
+    status: str
+    attempts: int
+    max_attempts: int
+    run_after: dt.datetime
+    idempotency_key: str | None
+    request_hash: str | None
+    last_error: str | None
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+
+
+# One statement for the insert and the wake-up: the NOTIFY is sent only for a row inserted,
+# and only when its transaction commits. The conflict arbiter is the partial unique index
+# UQ_TASK_IDEMPOTENCY_KEY, named by its columns and predicate (ON CONFLICT ON CONSTRAINT takes
+# constraints only); a NULL key never conflicts on it. A run_at in the past means "now": it
+# must not jump ahead of work that has been runnable longer (the claim orders by
+# eligible-since); greatest() ignores a NULL run_at.
+_INSERT_TASK = """
+WITH created AS (
+    INSERT INTO tasks (company_id, type, payload, status, max_attempts, run_after,
+                       idempotency_key, request_hash)
+    VALUES (%(company_id)s, %(type)s, %(payload)s, 'pending', %(max_attempts)s,
+            greatest(CAST(%(run_at)s AS timestamptz), now()), %(key)s, %(request_hash)s)
+    ON CONFLICT (company_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING id, company_id, type, payload, status, attempts, max_attempts, run_after,
+              idempotency_key, request_hash, last_error, created_at, updated_at, started_at,
+              finished_at
+)
+SELECT created.*,
+       -- No channel, no wake-up (a NULL channel would be an error).
+       CASE WHEN CAST(%(channel)s AS text) IS NOT NULL
+            THEN CAST(pg_notify(CAST(%(channel)s AS text), CAST(company_id AS text)) AS text) END
+FROM created
+"""
+_TASK_BY_KEY = """
+SELECT id, company_id, type, payload, status, attempts, max_attempts, run_after,
+       idempotency_key, request_hash, last_error, created_at, updated_at, started_at,
+       finished_at
+FROM tasks
+WHERE company_id = %(company_id)s AND idempotency_key = %(key)s
+"""
+_TASK_BY_ID = """
+SELECT id, company_id, type, payload, status, attempts, max_attempts, run_after,
+       idempotency_key, request_hash, last_error, created_at, updated_at, started_at,
+       finished_at
+FROM tasks
+WHERE id = %(id)s AND company_id = %(company_id)s
+"""
+# Absent filters are NULL parameters: one statement text, so psycopg prepares it once.
+_LIST_TASKS = """
+SELECT id, company_id, type, payload, status, attempts, max_attempts, run_after,
+       idempotency_key, request_hash, last_error, created_at, updated_at, started_at,
+       finished_at
+FROM tasks
+WHERE company_id = %(company_id)s
+  AND (CAST(%(status)s AS text) IS NULL OR status = CAST(%(status)s AS text))
+  AND (CAST(%(type)s AS text) IS NULL OR type = CAST(%(type)s AS text))
+ORDER BY created_at DESC, id DESC
+LIMIT %(limit)s OFFSET %(offset)s
+"""
+_FIELDS = len(TaskRecord._fields)
+
+
+def _record(row: Sequence[Any]) -> TaskRecord:
+    return TaskRecord._make(row[:_FIELDS])
 
 
 def create_task(
@@ -39,43 +125,33 @@ def create_task(
     idempotency_key: str | None = None,
     request_hash: str | None = None,
     notify_channel: str | None = None,
-) -> tuple[Task, bool]:
+) -> tuple[TaskRecord, bool]:
     """Insert a pending task and wake idle workers; return `(task, created)`.
 
     With an `idempotency_key`, a concurrent or earlier request with the same key resolves
     through the unique constraint (`INSERT ... ON CONFLICT DO NOTHING`, then read): the
     existing task is returned with `created=False`, or `errors.IdempotencyKeyReused` is raised
     when its `request_hash` differs (IETF Idempotency-Key draft, section 2.7).
-    `NOTIFY notify_channel` is sent in the caller's transaction, so it fires only on commit.
+    `NOTIFY notify_channel` is sent by the insert's own statement, in the caller's
+    transaction, so it fires only on commit. A new task costs one statement.
     """
-    values: dict[str, Any] = {
+    connection = session.connection()
+    params: dict[str, Any] = {
         "company_id": company_id,
         "type": type,
-        "payload": payload,
-        "status": TaskStatus.PENDING.value,
+        "payload": Jsonb(payload),
         "max_attempts": max_attempts,
-        # A run_at in the past means "now": it must not jump ahead of work that has been
-        # runnable longer (the claim orders by eligible-since).
-        "run_after": func.greatest(run_at, func.now()) if run_at is not None else func.now(),
-        "idempotency_key": idempotency_key,
+        "run_at": run_at,
+        "key": idempotency_key,
         "request_hash": request_hash,
+        "channel": notify_channel or None,
     }
-    stmt = pg_insert(Task).values(**values)
-    if idempotency_key is not None:
-        # The arbiter is the partial unique index UQ_TASK_IDEMPOTENCY_KEY, named by its
-        # columns and predicate (ON CONFLICT ON CONSTRAINT takes constraints only).
-        stmt = stmt.on_conflict_do_nothing(
-            index_elements=[Task.company_id, Task.idempotency_key],
-            index_where=Task.idempotency_key.is_not(None),
-        )
     # The conflicting row can vanish between the INSERT and the read (retention deleted it,
     # or its inserter rolled back): then the key is free again, so insert once more.
     for _ in range(_CREATE_ATTEMPTS):
-        task = session.scalars(stmt.returning(Task)).one_or_none()
-        if task is not None:
-            if notify_channel:
-                session.execute(select(func.pg_notify(notify_channel, str(task.company_id))))
-            return task, True
+        row = connection.exec_driver_sql(_INSERT_TASK, params).first()
+        if row is not None:
+            return _record(row), True
         existing = _existing_for_key(session, company_id, idempotency_key)
         if existing is not None:
             if existing.request_hash != request_hash:
@@ -90,22 +166,29 @@ def create_task(
 _CREATE_ATTEMPTS = 3
 
 
-def _existing_for_key(session: Session, company_id: uuid.UUID, key: str | None) -> Task | None:
+def _existing_for_key(
+    session: Session, company_id: uuid.UUID, key: str | None
+) -> TaskRecord | None:
     # READ COMMITTED: ON CONFLICT waited for the other inserter to commit, so this new
     # statement sees its row, unless it was deleted in between.
-    return session.scalars(
-        select(Task).where(Task.company_id == company_id, Task.idempotency_key == key)
-    ).one_or_none()
+    row = (
+        session.connection()
+        .exec_driver_sql(_TASK_BY_KEY, {"company_id": company_id, "key": key})
+        .first()
+    )
+    return None if row is None else _record(row)
 
 
-def get_task(session: Session, company_id: uuid.UUID, task_id: uuid.UUID) -> Task:
+def get_task(session: Session, company_id: uuid.UUID, task_id: uuid.UUID) -> TaskRecord:
     """The company's task. Raises `errors.NotFound` if absent or owned by another company."""
-    task = session.scalars(
-        select(Task).where(Task.id == task_id, Task.company_id == company_id)
-    ).one_or_none()
-    if task is None:
+    row = (
+        session.connection()
+        .exec_driver_sql(_TASK_BY_ID, {"id": task_id, "company_id": company_id})
+        .first()
+    )
+    if row is None:
         raise errors.NotFound("task not found")
-    return task
+    return _record(row)
 
 
 def list_tasks(
@@ -116,18 +199,16 @@ def list_tasks(
     type: str | None = None,
     limit: int = 20,
     offset: int = 0,
-) -> tuple[Sequence[Task], bool]:
+) -> tuple[list[TaskRecord], bool]:
     """One page of the company's tasks, newest first; return `(items, has_more)`.
 
     Ordered by `(created_at DESC, id DESC)` (served by `ix_tasks_company_listing`).
     """
-    stmt = select(Task).where(Task.company_id == company_id)
-    if status is not None:
-        stmt = stmt.where(Task.status == status)
-    if type is not None:
-        stmt = stmt.where(Task.type == type)
-    stmt = stmt.order_by(Task.created_at.desc(), Task.id.desc()).limit(limit + 1).offset(offset)
-    rows = session.scalars(stmt).all()
+    params = {
+        "company_id": company_id, "status": status, "type": type,
+        "limit": limit + 1, "offset": offset,
+    }  # fmt: skip
+    rows = [_record(row) for row in session.connection().exec_driver_sql(_LIST_TASKS, params)]
     return rows[:limit], len(rows) > limit
 
 
@@ -668,6 +749,56 @@ def expire_leases(session: Session, *, stale_after: float, limit: int = 1000) ->
     return [ExpiredLease(*row) for row in rows]
 
 
+# The same transition as _EXPIRE_LEASES, for holders known to be dead instead of leases
+# found stale: change one, change both.
+_EXPIRE_LEASES_OF = text(
+    """
+WITH lost AS (
+    -- ix_tasks_processing_locked_at: its predicate is implied, so only processing rows are
+    -- read (at most every held lease), never the finished ones.
+    SELECT t.id, t.locked_by, t.attempts >= t.max_attempts AS used_up
+    FROM tasks t
+    WHERE t.status = 'processing'
+      AND t.locked_by = ANY(CAST(:holders AS text[]))
+    -- Not SKIP LOCKED: a row locked now is being written by the dead holder's last statement
+    -- (its server session outlives it briefly) or by the API; wait, and the quals are checked
+    -- again on the new version, so a task that holder did complete stays completed.
+    FOR UPDATE OF t
+)
+UPDATE tasks t
+SET status = CASE WHEN e.used_up THEN 'failed' ELSE 'pending' END,
+    run_after = CASE WHEN e.used_up THEN t.run_after ELSE t.locked_at END,
+    finished_at = CASE WHEN e.used_up THEN now() END,
+    updated_at = now(),
+    last_error = CASE WHEN e.used_up
+        THEN format('worker lost (its process died) after %s attempts (last holder %s)',
+                    t.attempts, e.locked_by)
+        ELSE t.last_error END,
+    lease_token = NULL,
+    locked_by = NULL,
+    locked_at = NULL
+FROM lost e
+WHERE t.id = e.id
+RETURNING t.id, t.company_id, t.type, t.attempts, e.locked_by, e.used_up
+"""
+)
+
+
+def expire_leases_of(session: Session, holders: Sequence[str]) -> list[ExpiredLease]:
+    """Take back now every lease held by `holders` (`locked_by` values); return them.
+
+    For workers known to be dead (the supervisor reaped the process): their leases need not
+    wait out `STALE_AFTER_SECONDS`. The outcome is `expire_leases`'s: `pending` with the
+    attempt counted, first in line, or `failed` for a poison pill. Fenced like it: the lease
+    token is cleared, so a late write under the old token changes nothing. Only a holder
+    that can never write again may be named: a live one would lose its leases mid-task.
+    """
+    if not holders:
+        return []
+    rows = session.execute(_EXPIRE_LEASES_OF, {"holders": list(holders)}).all()
+    return [ExpiredLease(*row) for row in rows]
+
+
 def _clip_error(error: str) -> str:
     # text columns reject NUL; a message longer than this is noise, not information.
     error = error.replace("\x00", "\\0")
@@ -736,11 +867,6 @@ def complete_tasks(session: Session, leases: Sequence[Lease]) -> set[uuid.UUID]:
     with _driver_errors("complete_tasks"):
         driver = _driver(session, transaction=False)
         return {row[0] for row in driver.execute(_COMPLETE, _unzip(leases))}
-
-
-def complete_task(session: Session, task_id: uuid.UUID, lease_token: uuid.UUID) -> bool:
-    """Mark a held task `completed`; False (and nothing changed) when the lease was lost."""
-    return bool(complete_tasks(session, [Lease(task_id, lease_token)]))
 
 
 _FAIL = text(

@@ -1,9 +1,11 @@
-"""Queue statistics for the API's gauges (design §7): tasks by status, oldest eligible task.
+"""Queue statistics for the API's gauges (design §7): tasks by status, oldest eligible task,
+and the age of the oldest transaction holding back cleanup.
 
-Both cost about the same at 10M rows as at 10k, so they do not vanish behind the statement
+All cost about the same at 10M rows as at 10k, so they do not vanish behind the statement
 timeout as the table grows: the oldest eligible task is one index probe per company; counts
-are exact up to a limit per status and the planner's estimate above it. Read-only; callers
-own the connection and its transaction, as in `db.queue`.
+are exact up to a limit per status and the planner's estimate above it; the cleanup holder
+reads only the server's activity views. Read-only; callers own the connection and its
+transaction, as in `db.queue`.
 """
 
 from __future__ import annotations
@@ -84,6 +86,46 @@ CROSS JOIN LATERAL (
 )
 
 
+# The transaction pinning this database's cleanup horizon: the one whose snapshot (xmin) or
+# own transaction id (xid: it has written) is oldest, so VACUUM may not remove any row version
+# deleted or updated after it began. While it stays open the queue's dead rows pile up in the
+# heap and indexes and every claim reads past them (README "Monitoring"). Candidates: sessions
+# on this database (idle in transaction included; pg_stat_activity) other than this one, and
+# prepared transactions (pg_prepared_xacts, which keep their xid until COMMIT/ROLLBACK
+# PREPARED). Autovacuum workers are left out: a VACUUM's snapshot does not hold back other
+# VACUUMs. Replication slots' xmin has no timestamp to give an age from: not covered.
+#
+# The age is that transaction's: now - xact_start (for a prepared one, now - its PREPARE).
+# Not the age of the session's oldest open transaction: a READ COMMITTED session open for an
+# hour that just started a statement holds only a seconds-old snapshot. Ties in xmin (every
+# snapshot taken while an old writer is open has the writer's xid as xmin) go to the earliest
+# start, the writer. An upper bound for a READ COMMITTED holder, whose snapshot is as old as
+# its current statement, not its transaction. xact_start of another role's session is visible
+# only to superusers and members of pg_read_all_stats: without that, such a session cannot
+# be aged and is skipped. Cost: one pass over the server's backend slots (max_connections).
+_OLDEST_XMIN_HOLDER = text(
+    """
+SELECT coalesce(
+    (SELECT greatest(extract(epoch FROM clock_timestamp() - h.since), 0)
+     FROM (SELECT greatest(age(a.backend_xid), age(a.backend_xmin)) AS xids,
+                  a.xact_start AS since
+           FROM pg_stat_activity AS a
+           WHERE a.datname = current_database()
+             AND a.pid <> pg_backend_pid()
+             AND a.backend_type <> 'autovacuum worker'
+             AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+             AND a.xact_start IS NOT NULL
+           UNION ALL
+           SELECT age(p.transaction), p.prepared
+           FROM pg_prepared_xacts AS p
+           WHERE p.database = current_database()) AS h
+     ORDER BY h.xids DESC, h.since
+     LIMIT 1),
+    0)
+"""
+)
+
+
 def limit_statement_time(connection: Connection, timeout_ms: int) -> None:
     """Make the server cancel any later statement of this transaction after `timeout_ms`."""
     # A literal: `SET` takes no bind parameters (docs/stack-notes.md); int() keeps it one.
@@ -133,3 +175,11 @@ def _over_limit(counts: dict[str, int], live_limit: int, terminal_limit: int) ->
 def oldest_eligible_pending_age(connection: Connection) -> float:
     """Seconds since the oldest pending task that may run now became runnable; 0 if none."""
     return float(connection.execute(_OLDEST_ELIGIBLE).scalar_one())
+
+
+def oldest_xmin_holder_age(connection: Connection) -> float:
+    """Seconds the transaction holding back cleanup on this database has been open; 0 if none.
+
+    See `_OLDEST_XMIN_HOLDER` for which transaction that is; this connection's own is never it.
+    """
+    return float(connection.execute(_OLDEST_XMIN_HOLDER).scalar_one())

@@ -18,6 +18,14 @@ the first `picked` one. Also printed: the CPU time the worker processes used per
 claim time from the supervisor's metrics. The summary has the median of each, and the ratios
 the goal is stated in: fairq / pgqueuer per shape, and 1 company / 50 companies.
 
+`--hold-snapshot SECONDS` adds, right after each fairq run, the same run while another
+connection holds a REPEATABLE READ transaction that has taken its snapshot: opened just before
+the tasks are inserted, ended after SECONDS or when the drain is over, whichever comes first.
+Until it ends VACUUM cannot remove the dead row versions the drain leaves behind (each task's
+claim and completion), as with a session left idle in transaction; the summary has each
+shape's rate and mean claim time with and without it, and the ratio. Each held run also prints
+what the API's `oldest_xmin_holder_age_seconds` gauge read at the end of the drain.
+
 PostgreSQL: `--database-url`, else an embedded PostgreSQL 16 with its data in
 `.pgdata/bench-throughput` (durable defaults: fsync and synchronous_commit on, unless
 `--fast-commit`), stopped at the end. pgqueuer talks to it through asyncpg, its fastest
@@ -27,6 +35,7 @@ Usage (from the repository root):
     .venv/bin/python -m scripts.bench_throughput [--tasks 20000]
         [--companies 1,50,2000] [--runs 3] [--concurrency 2] [--batch-size 100]
         [--log-level WARNING] [--log-format text] [--no-pgqueuer] [--fast-commit]
+        [--hold-snapshot SECONDS]
         [--database-url postgresql+psycopg://postgres@127.0.0.1:5432/fairq_bench]
 """
 
@@ -41,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -48,9 +58,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 from sqlalchemy.engine import make_url
 
+from db import statistics as queue_statistics
 from devtools import stack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,6 +150,39 @@ def completed(engine: Engine) -> int:
         )
 
 
+class SnapshotHolder:
+    """A REPEATABLE READ transaction holding its snapshot until `seconds` pass or `close()`.
+
+    Its snapshot is taken when it opens: the row versions deleted or updated after that
+    stay in the heap and the indexes (VACUUM may not remove them) while it is open.
+    """
+
+    def __init__(self, engine: Engine, seconds: float) -> None:
+        self._lock = threading.Lock()
+        self._conn: Connection | None = engine.connect().execution_options(
+            isolation_level="REPEATABLE READ"
+        )
+        self._conn.execute(text("SELECT count(*) FROM tasks")).scalar_one()
+        self._timer = threading.Timer(seconds, self.close)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def close(self) -> None:
+        """End the transaction (if still open) and close its connection."""
+        self._timer.cancel()
+        with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.rollback()
+            conn.close()
+
+
+def holder_gauge(engine: Engine) -> float:
+    """What the API's `oldest_xmin_holder_age_seconds` would say now."""
+    with engine.connect() as conn:
+        return queue_statistics.oldest_xmin_holder_age(conn)
+
+
 @dataclass(frozen=True)
 class RunResult:
     """One drain: tasks, seconds from first start to last finish, CPU used, claims seen.
@@ -154,6 +198,8 @@ class RunResult:
     db_cpu_seconds: float | None
     claims: float = 0.0
     claim_seconds: float = 0.0
+    # With --hold-snapshot: the holder gauge at the end of the drain, while it was held.
+    holder_gauge: float | None = None
 
     @property
     def rate(self) -> float:
@@ -211,9 +257,19 @@ def _delta(after: float | None, before: float | None) -> float | None:
 
 
 def run_once(
-    engine: Engine, url: str, args: argparse.Namespace, workdir: Path, companies: int
+    engine: Engine,
+    url: str,
+    args: argparse.Namespace,
+    workdir: Path,
+    companies: int,
+    *,
+    hold_snapshot: float | None = None,
 ) -> RunResult:
-    """Start a supervisor, let it boot, then seed `companies` companies' tasks and drain them."""
+    """Start a supervisor, let it boot, then seed `companies` companies' tasks and drain them.
+
+    `hold_snapshot`: seconds to hold a REPEATABLE READ snapshot from just before the seeding
+    (`SnapshotHolder`), at most until the drain is over.
+    """
     reset(engine)
     companies_ids = seed_companies(engine, companies)
     env = {
@@ -234,16 +290,24 @@ def run_once(
         backends = backend_pids(engine, "fairq-worker%")
         start = sup.metrics()
         cpu, db_cpu = process_cpu(processes), process_cpu(backends)
-        seed_tasks(engine, companies_ids, args.tasks)
-        with engine.begin() as conn:  # as the API does: wake the idle children
-            conn.execute(text("SELECT pg_notify('fairq_tasks', '')"))
-        deadline = time.monotonic() + args.timeout
-        while completed(engine) < args.tasks:
-            if not sup.running():
-                raise RuntimeError(f"supervisor exited:\n{sup.log()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"not drained after {args.timeout}s")
-            time.sleep(0.05)
+        holder = None if hold_snapshot is None else SnapshotHolder(engine, hold_snapshot)
+        gauge = None
+        try:
+            seed_tasks(engine, companies_ids, args.tasks)
+            with engine.begin() as conn:  # as the API does: wake the idle children
+                conn.execute(text("SELECT pg_notify('fairq_tasks', '')"))
+            deadline = time.monotonic() + args.timeout
+            while completed(engine) < args.tasks:
+                if not sup.running():
+                    raise RuntimeError(f"supervisor exited:\n{sup.log()[-3000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"not drained after {args.timeout}s")
+                time.sleep(0.05)
+            if holder is not None:
+                gauge = holder_gauge(engine)
+        finally:
+            if holder is not None:
+                holder.close()
         # The children's connections as they are now: a pass may have opened another.
         cpu = _delta(process_cpu(processes), cpu)
         db_cpu = _delta(process_cpu(backends), db_cpu)
@@ -265,6 +329,7 @@ def run_once(
         db_cpu,
         grew("claim_duration_seconds_count"),
         grew("claim_duration_seconds_sum"),
+        gauge,
     )
 
 
@@ -462,13 +527,22 @@ def describe(result: RunResult) -> str:
         line += f", PostgreSQL {result.db_cpu_us_per_task:.1f} us"
     if result.claims:
         line += f"; {result.claims:.0f} claims, mean claim {result.mean_claim_ms:.1f} ms"
+    if result.holder_gauge is not None:
+        line += f"; holder gauge at the end {result.holder_gauge:.1f} s"
     return line + ")"
 
 
 def summarize(
-    fairq: dict[int, list[RunResult]], pgqueuer: list[RunResult], args: argparse.Namespace
+    fairq: dict[int, list[RunResult]],
+    pgqueuer: list[RunResult],
+    args: argparse.Namespace,
+    held: dict[int, list[RunResult]] | None = None,
 ) -> list[str]:
-    """The medians, the ratios the goal is stated in, and whether each goal is met."""
+    """The medians, the ratios the goal is stated in, and whether each goal is met.
+
+    `held`: the runs with a snapshot held (`--hold-snapshot`), per shape, compared with the
+    plain ones.
+    """
 
     def median_rate(results: Sequence[RunResult]) -> float:
         return statistics.median(r.rate for r in results)
@@ -507,6 +581,16 @@ def summarize(
         lines.append(
             f"  1 company / 50 companies: x{ratio:.2f} (goal x{GOAL_LONE_VS_50}: {verdict})"
         )
+    for companies, results in (held or {}).items():
+        plain, rate = median_rate(fairq[companies]), median_rate(results)
+        claim_ms = statistics.median(r.mean_claim_ms for r in results)
+        plain_claim_ms = statistics.median(r.mean_claim_ms for r in fairq[companies])
+        lines.append(
+            f"  fairq, {companies} compan{'y' if companies == 1 else 'ies'}, snapshot held "
+            f"{args.hold_snapshot:g} s: {rate:,.0f} tasks/s, mean claim {claim_ms:.1f} ms "
+            f"({median_cpu(results)}); x{rate / plain:.2f} of {plain:,.0f} tasks/s without "
+            f"(mean claim {plain_claim_ms:.1f} ms)"
+        )
     return lines
 
 
@@ -536,6 +620,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--pgqueuer-driver", choices=("asyncpg", "psycopg"), default=default_pgqueuer_driver()
     )
     parser.add_argument("--pgqueuer-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--hold-snapshot", type=float, metavar="SECONDS",
+        help="also run each fairq shape while a REPEATABLE READ snapshot is held for SECONDS "
+        "from just before the drain (at most until it ends), and compare",
+    )  # fmt: skip
     add_database_arguments(parser)
     args = parser.parse_args(argv)
     args.shapes = [int(n) for n in str(args.companies).split(",") if n.strip()]
@@ -551,6 +640,9 @@ def main(argv: list[str] | None = None) -> int:
     if skip:
         print(f"pgqueuer side: {skip}", flush=True)
     fairq: dict[int, list[RunResult]] = {n: [] for n in args.shapes}
+    held: dict[int, list[RunResult]] | None = (
+        None if args.hold_snapshot is None else {n: [] for n in args.shapes}
+    )
     pgqueuer: list[RunResult] = []
     with (
         bench_database(args.database_url, "throughput", fast_commit=args.fast_commit) as url,
@@ -564,6 +656,17 @@ def main(argv: list[str] | None = None) -> int:
                     result = run_once(engine, url, args, workdir, companies)
                     fairq[companies].append(result)
                     print(f"run {run} fairq, {companies} companies: {describe(result)}", flush=True)
+                    if held is not None:
+                        result = run_once(
+                            engine, url, args, workdir.with_name(workdir.name + "-held"),
+                            companies, hold_snapshot=args.hold_snapshot,
+                        )  # fmt: skip
+                        held[companies].append(result)
+                        print(
+                            f"run {run} fairq, {companies} companies, snapshot held: "
+                            f"{describe(result)}",
+                            flush=True,
+                        )
                     if skip:
                         continue
                     result = run_pgqueuer_once(engine, url, args, workdir / "pgqueuer")
@@ -571,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"run {run} pgqueuer: {describe(result)}", flush=True)
         finally:
             engine.dispose()
-    print("\n".join(summarize(fairq, pgqueuer, args)))
+    print("\n".join(summarize(fairq, pgqueuer, args, held)))
     return 0
 
 

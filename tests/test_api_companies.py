@@ -635,16 +635,17 @@ def test_update_company_limits_is_one_statement_raising_not_found(db_session: Se
 def check_app(main_db_url: str) -> Iterator[Flask]:
     """An app with a route writing limits past validation, straight into the CHECKs.
 
-    The write is never committed: the request's session is closed (rolled back) at teardown.
+    The write is never committed: it runs in a transaction of its own (the request's session
+    commits each statement), rolled back when the session closes.
     """
     app = make_test_app(main_db_url)
     app.config["TESTING"] = False  # let error handlers run as in production
 
     @app.post("/unchecked/<field>/<int(signed=True):value>")
     def unchecked(field: str, value: int) -> str:
-        session = database.session()
-        company = companies.create_company(session, name="unchecked", api_key_hash="x")
-        companies.update_company_limits(session, company.id, **{field: value})
+        with database.session_factory()() as session:
+            company = companies.create_company(session, name="unchecked", api_key_hash="x")
+            companies.update_company_limits(session, company.id, **{field: value})
         raise AssertionError("the CHECK constraint let the value through")
 
     yield app

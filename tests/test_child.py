@@ -18,7 +18,7 @@ from tests import pg
 from tests import supervisor_harness as harness
 from tests.factories import MakeCompany, MakeTask, insert_company, insert_tasks
 from tests.supervisor_harness import StartSupervisor, wait_for
-from worker import child
+from worker import wakeups
 
 
 def _listener_pids(engine: Engine) -> set[int]:
@@ -29,7 +29,7 @@ def _listener_pids(engine: Engine) -> set[int]:
                     "SELECT pid FROM pg_stat_activity "
                     "WHERE datname = current_database() AND application_name = :name"
                 ),
-                {"name": child.LISTEN_APPLICATION_NAME},
+                {"name": wakeups.LISTEN_APPLICATION_NAME},
             ).scalars()
         )
 

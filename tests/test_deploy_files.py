@@ -65,10 +65,17 @@ _COUNTERS = (
     "tasks_released_total",
     "tasks_lease_lost_total",
     "worker_child_restarts_total",
+    "worker_child_timeouts_total",
     "flask_http_request_total",
     "flask_http_request_exceptions_total",
 )
-_GAUGES = ("tasks_by_status", "oldest_eligible_pending_age_seconds", "worker_children", "up")
+_GAUGES = (
+    "tasks_by_status",
+    "oldest_eligible_pending_age_seconds",
+    "oldest_xmin_holder_age_seconds",
+    "worker_children",
+    "up",
+)
 _HISTOGRAMS = (
     "task_duration_seconds",
     "claim_duration_seconds",
@@ -522,6 +529,9 @@ def test_alerts_cover_backlog_failures_workers_and_api_errors(
 
     backlog = by_metric["oldest_eligible_pending_age_seconds"][0]
     assert seconds(backlog["for"]) >= 300
+    cleanup = by_metric["oldest_xmin_holder_age_seconds"][0]
+    assert seconds(cleanup["for"]) >= 300
+    assert "pg_terminate_backend" in cleanup["annotations"]["description"]
     failures = by_metric["tasks_failed_total"][0]
     assert "tasks_completed_total" in failures["expr"]
     # Counters of several processes or instances are summed per type before dividing.
@@ -623,6 +633,7 @@ def test_dashboard_shows_every_queue_worker_and_api_metric(dashboard: dict[str, 
     required = {
         "tasks_by_status",
         "oldest_eligible_pending_age_seconds",
+        "oldest_xmin_holder_age_seconds",
         "tasks_completed_total",
         "tasks_failed_total",
         "tasks_retried_total",
@@ -660,6 +671,9 @@ def test_the_api_exposes_the_metric_names_the_alerts_and_dashboard_use(
     api_names = {
         "tasks_by_status",
         "oldest_eligible_pending_age_seconds",
+        "oldest_xmin_holder_age_seconds",
+        "tasks_completed_total",
+        "tasks_claimed_total",
         "flask_http_request_total",
         "flask_http_request_duration_seconds_bucket",
         "flask_http_request_duration_seconds_count",

@@ -32,6 +32,7 @@ from aiosmtpd.controller import Controller
 from flask import Flask
 from sqlalchemy import Engine, text
 
+from api import metrics
 from devtools.embedded_postgres import free_port
 from tests.supervisor_harness import wait_for
 from tests.test_deploy_files import E2E_COMMANDS
@@ -355,7 +356,7 @@ def test_the_compose_commands_run_tasks_end_to_end_and_stop_cleanly(
     for name, labels, _ in api_samples + worker_samples:
         for value in labels.values():
             assert not UUID_RE.search(value), f"raw id in a label of {name}: {labels}"
-    rules = {rule.rule for rule in shared_app.url_map.iter_rules()} | {"None"}
+    rules = {rule.rule for rule in shared_app.url_map.iter_rules()} | {metrics.UNMATCHED_RULE}
     durations = [
         labels for name, labels, _ in api_samples
         if name == "flask_http_request_duration_seconds_count"

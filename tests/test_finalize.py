@@ -50,7 +50,7 @@ def test_complete_clears_the_lease_and_the_last_error(
 ) -> None:
     task = claimed_task(make_company().id, last_error="earlier failure")
 
-    assert queue.complete_task(db_session, task.id, lease(task).token) is True
+    assert queue.complete_tasks(db_session, [lease(task)]) == {task.id}
 
     stored = fetch(db_session, task.id)
     assert stored["status"] == "completed"
@@ -138,7 +138,6 @@ def test_a_late_worker_changes_nothing_after_its_lease_was_taken_over(
     new = take_over(db_session, task)
     after_takeover = fetch(db_session, task.id)
 
-    assert queue.complete_task(db_session, old.task_id, old.token) is False
     assert queue.complete_tasks(db_session, [old]) == set()
     assert queue.fail_task(db_session, old.task_id, old.token, error="late") is False
     assert (
@@ -153,14 +152,14 @@ def test_a_late_worker_changes_nothing_after_its_lease_was_taken_over(
     assert after_takeover["locked_by"] == "new:2"
     assert after_takeover["attempts"] == 2
     # The new holder still finalizes normally.
-    assert queue.complete_task(db_session, task.id, new.lease_token) is True
+    assert queue.complete_tasks(db_session, [new.lease]) == {task.id}
 
 
 def test_finalizers_miss_on_tasks_that_are_no_longer_processing(
     db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
 ) -> None:
     task = claimed_task(make_company().id)
-    assert queue.complete_task(db_session, task.id, lease(task).token)
+    assert queue.complete_tasks(db_session, [lease(task)]) == {task.id}
     assert queue.fail_task(db_session, task.id, lease(task).token, error="x") is False
     assert fetch(db_session, task.id)["status"] == "completed"
 
@@ -257,7 +256,7 @@ def test_expire_leases_requeues_a_task_with_attempts_left_and_keeps_its_history(
     assert stored["finished_at"] is None
     assert stored["lease_token"] is stored["locked_by"] is stored["locked_at"] is None
     # The old holder's lease is fenced off.
-    assert queue.complete_task(db_session, task.id, lease(task).token) is False
+    assert queue.complete_tasks(db_session, [lease(task)]) == set()
 
 
 # -- backoff -----------------------------------------------------------------------------

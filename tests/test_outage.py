@@ -28,7 +28,7 @@ from tests import pg
 from tests.conftest import ADMIN_TOKEN
 from tests.factories import insert_company, insert_tasks
 from tests.supervisor_harness import wait_for
-from worker import child
+from worker import wakeups
 
 OUTAGE_SECONDS = 4.0
 # Longer than `BOOT_FAILURE_LIMIT` failed boots in a row take (restart backoff 0.25 + 0.5 +
@@ -113,7 +113,7 @@ def _listeners(engine: Engine) -> int:
     with engine.connect() as conn:
         count: int = conn.execute(
             text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :name"),
-            {"name": child.LISTEN_APPLICATION_NAME},
+            {"name": wakeups.LISTEN_APPLICATION_NAME},
         ).scalar_one()
     return count
 

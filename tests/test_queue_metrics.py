@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from typing import Any
 
-from sqlalchemy import Engine, pool, text
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import Connection, Engine, pool, text
 from sqlalchemy.orm import Session
 
-from api.metrics import TASKS_BY_STATUS_HELP, QueueCollector
+from api.metrics import OLDEST_XMIN_HOLDER_HELP, TASKS_BY_STATUS_HELP, QueueCollector
 from db import statistics
 from db.engine import make_engine, make_sessionmaker
+from tests.conftest import serve_app
 from tests.factories import MakeCompany, insert_company, insert_delayed_tasks, insert_task
 
 
@@ -149,3 +154,116 @@ def test_the_oldest_eligible_task_costs_one_probe_per_company_despite_a_delayed_
 
 def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     return [node, *(n for child in node.get("Plans", []) for n in _nodes(child))]
+
+
+# -- oldest_xmin_holder_age_seconds ------------------------------------------------------------
+
+HOLDER = "oldest_xmin_holder_age_seconds"
+
+
+def holder_age(collector: QueueCollector) -> float:
+    """The cleanup holder's age, from one collection."""
+    [age] = gauges(collector)[HOLDER].values()
+    return age
+
+
+def scraped_holder_age(port: int) -> float:
+    """The cleanup holder's age, from a real HTTP scrape of the API's /metrics."""
+    response = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    assert response.status_code == 200
+    [family] = [
+        family for family in text_string_to_metric_families(response.text) if family.name == HOLDER
+    ]
+    assert family.documentation == OLDEST_XMIN_HOLDER_HELP
+    [sample] = family.samples
+    return float(sample.value)
+
+
+def open_snapshot(engine: Engine, isolation_level: str = "REPEATABLE READ") -> Connection:
+    """A connection whose transaction has run one query (so holds a snapshot if RR)."""
+    conn = engine.connect().execution_options(isolation_level=isolation_level)
+    conn.execute(text("SELECT count(*) FROM tasks")).scalar_one()
+    return conn
+
+
+def test_a_transaction_holding_a_snapshot_shows_its_age_on_metrics_until_it_ends(
+    fresh_db_url: str, fresh_engine: Engine
+) -> None:
+    with serve_app(fresh_db_url) as port:
+        assert scraped_holder_age(port) == 0  # nothing open on this database
+
+        holder = open_snapshot(fresh_engine)
+        try:
+            opened = time.monotonic()  # the transaction began before this
+            time.sleep(1.5)
+            scraping = time.monotonic()
+            age = scraped_holder_age(port)
+            assert scraping - opened <= age <= time.monotonic() - opened + 1.0
+        finally:
+            holder.rollback()
+            holder.close()
+
+        assert scraped_holder_age(port) == 0
+
+
+def test_an_idle_writer_is_the_holder_not_the_younger_snapshots_that_wait_on_it(
+    fresh_engine: Engine,
+) -> None:
+    """Every snapshot taken while a writer is open has the writer's xid as its xmin: a tie.
+
+    The holder is the writer (the oldest start among them), idle in transaction with no
+    snapshot of its own (READ COMMITTED between statements) but an xid.
+    """
+    collector = QueueCollector(fresh_engine, 1000)
+    writer = fresh_engine.connect()
+    reader: Connection | None = None
+    try:
+        writer.execute(text("INSERT INTO companies (name, api_key_hash) VALUES ('w', 'x')"))
+        writer_opened = time.monotonic()
+        time.sleep(1.0)
+        reader = open_snapshot(fresh_engine)  # younger, its xmin is the writer's xid
+        time.sleep(0.3)
+        checking = time.monotonic()
+        age = holder_age(collector)
+        assert age >= checking - writer_opened
+    finally:
+        if reader is not None:
+            reader.rollback()
+            reader.close()
+        writer.rollback()
+        writer.close()
+    assert holder_age(collector) == 0
+
+
+def test_a_read_committed_transaction_between_statements_holds_nothing(
+    fresh_engine: Engine,
+) -> None:
+    """Open is not enough: without a snapshot or an xid, a transaction pins no row version."""
+    collector = QueueCollector(fresh_engine, 1000)
+    idle = open_snapshot(fresh_engine, "READ COMMITTED")
+    try:
+        time.sleep(0.5)
+        assert holder_age(collector) == 0
+    finally:
+        idle.rollback()
+        idle.close()
+
+
+def test_a_prepared_transaction_holds_back_cleanup_from_its_prepare(fresh_engine: Engine) -> None:
+    with fresh_engine.connect() as conn:
+        if int(conn.execute(text("SHOW max_prepared_transactions")).scalar_one()) == 0:
+            pytest.skip("the server has max_prepared_transactions = 0")
+    collector = QueueCollector(fresh_engine, 1000)
+    gid = f"fairq-test-{uuid.uuid4()}"
+    with fresh_engine.connect() as conn:
+        conn.execute(text("INSERT INTO companies (name, api_key_hash) VALUES ('p', 'x')"))
+        conn.execute(text(f"PREPARE TRANSACTION '{gid}'"))
+    prepared = time.monotonic()  # its PREPARE ran before this
+    try:
+        time.sleep(1.0)
+        checking = time.monotonic()
+        assert holder_age(collector) >= checking - prepared
+    finally:
+        with fresh_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text(f"ROLLBACK PREPARED '{gid}'"))
+    assert holder_age(collector) == 0

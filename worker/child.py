@@ -6,9 +6,11 @@ Forked by `worker.supervisor`. In order, a child:
    supervisor calls `reset_inherited_signals` first thing after fork, and closes its wakeup
    pipe, metrics sockets and sibling pipes), then `main` installs the child's own: TERM, INT
    and QUIT set the stop flag; HUP, TTIN and TTOU are the supervisor's business and ignored;
-2. boots: builds its own engine (the supervisor never has one), checks that the database
-   answers and is migrated, and tells the supervisor on its status pipe, `booted` or
-   `error: <reason>` followed by exit status `BOOT_ERROR`;
+2. boots: starts its `liveness.AliveSignal` thread, builds its own engine (the supervisor never has
+   one; a pool of one connection), checks that the database answers and is migrated, takes
+   back the leases of the dead children the supervisor named (`Inherited.dead_holders`),
+   and tells the supervisor on its status pipe, `booted` or `error: <reason>` followed by
+   exit status `BOOT_ERROR`;
 3. loops: one processing pass; if it claimed anything, the next at once; otherwise it waits
    for a NOTIFY on `settings.notify_channel` or `poll_interval`, whichever comes first.
    NOTIFY is only a hint: a lost listener is reconnected with backoff and polling alone stays
@@ -44,22 +46,20 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING
 
 import psycopg
-from psycopg import sql
-from psycopg.conninfo import make_conninfo
 from sqlalchemy import Engine, text
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from db import engine as db_engine
 from db import errors as db_errors
-from db import maintenance
-from worker import backoff
+from db import maintenance, queue
+from worker import backoff, liveness, wakeups
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -75,7 +75,6 @@ STATUS_ERROR = "error:"
 
 # application_name of a child's connections (operators and tests find them by it).
 APPLICATION_NAME = "fairq-worker"
-LISTEN_APPLICATION_NAME = "fairq-worker-listen"
 
 ORPHAN_CHECK_SECONDS = 1.0
 # While busy, the parent is looked up at most this often (the stop flag itself at every call).
@@ -89,18 +88,34 @@ MAINTENANCE_INTERVAL_SECONDS = 60.0
 MAINTENANCE_BUDGET_SECONDS = 2.0
 
 
+_TASK = "task %(task_id)s (company %(company_id)s, type %(type)s)"
+_MSG_HOLDER_DIED = _TASK + " attempt %(attempt)d: holder %(locked_by)s died, requeued"
+_MSG_HOLDER_DIED_FAILED = (
+    _TASK + " failed: worker lost on each of %(attempt)d attempts (last holder %(locked_by)s)"
+)
+
+
+def worker_id(pid: int) -> str:
+    """The `locked_by` of this host's child with process id `pid`: `host:pid`."""
+    return f"{socket.gethostname()}:{pid}"
+
+
 @dataclass(frozen=True)
 class Inherited:
     """What the supervisor hands a freshly forked child.
 
     `status_fd`: write end of the status pipe (None outside a supervisor);
     `signal_mask`: the mask to restore once the child's own handlers are in place (the
-    supervisor blocks its signals around fork).
+    supervisor blocks its signals around fork); `alive_fd`: write end of the pipe on which
+    the child says it is alive (`AliveSignal`); `dead_holders`: `locked_by` of children that
+    died, whose leases the child takes back before it reports that it booted.
     """
 
     parent_pid: int
     status_fd: int | None
     signal_mask: frozenset[signal.Signals]
+    alive_fd: int | None = None
+    dead_holders: tuple[str, ...] = ()
 
 
 def reset_inherited_signals() -> None:
@@ -120,76 +135,13 @@ def main(settings: WorkerSettings, inherited: Inherited) -> int:
     return Child(settings, inherited).run()
 
 
-class Listener:
-    """A dedicated autocommit connection that LISTENs on the task channel.
-
-    `fileno()` is None while disconnected; `drain()` returns how many notifications were
-    waiting, and raises `psycopg.Error` (after closing) when the connection is gone. With no
-    `database_url` (`WorkerSettings.listen_url`) it never connects: the child only polls.
-    """
-
-    def __init__(self, database_url: str | None, channel: str) -> None:
-        self._conninfo = (
-            None
-            if database_url is None
-            else make_url(database_url).set(drivername="postgresql").render_as_string(False)
-        )
-        self._channel = channel
-        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
-
-    @property
-    def enabled(self) -> bool:
-        """Whether there is a URL to LISTEN on."""
-        return self._conninfo is not None
-
-    def connect(self) -> None:
-        """Open the connection and LISTEN; raises `psycopg.Error` on failure."""
-        self.close()
-        if self._conninfo is None:
-            return
-        conn = psycopg.connect(
-            # An idle listener on a black-holed network would otherwise wait for a NOTIFY
-            # that can never arrive, without noticing: keepalives find the dead peer.
-            make_conninfo(self._conninfo, **db_engine.TCP_ARGS),
-            autocommit=True,
-            application_name=LISTEN_APPLICATION_NAME,
-            connect_timeout=5,
-        )
-        try:
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
-        except BaseException:
-            conn.close()
-            raise
-        self._conn = conn
-
-    def fileno(self) -> int | None:
-        """The socket to wait on, or None while disconnected."""
-        return None if self._conn is None else self._conn.fileno()
-
-    def drain(self) -> int:
-        """Consume every notification already received; return how many."""
-        if self._conn is None:
-            return 0
-        try:
-            return sum(1 for _ in self._conn.notifies(timeout=0))
-        except psycopg.Error:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        """Close the connection, if open."""
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-
 class Child:
     """The state of one child process; `run()` is its whole life after the fork."""
 
     def __init__(self, settings: WorkerSettings, inherited: Inherited) -> None:
         self.settings = settings
         self.inherited = inherited
-        self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
+        self.worker_id = worker_id(os.getpid())
         self._stop = threading.Event()
         self._orphaned = False
         self._wake_r, self._wake_w = os.pipe()
@@ -202,14 +154,19 @@ class Child:
         self._sweep_schedule: processing.SweepSchedule | None = None
         self._keeper: processing.LeaseKeeper | None = None
         self._orphan_check_at = 0.0  # time.monotonic() of the next look at the parent pid
-        self._listener = Listener(settings.listen_url, settings.notify_channel)
+        self._listener = wakeups.Listener(settings.listen_url, settings.notify_channel)
         self._listen_backoff = backoff.Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
         self._listen_retry_at = 0.0
         self._next_maintenance = time.monotonic() + random.uniform(0, 10)
+        self._alive: liveness.AliveSignal | None = None
 
     def run(self) -> int:
         """Install signal handlers, boot, loop until stopped; return the exit status."""
         self._install_signal_handlers()
+        # After the signal mask is restored: the thread inherits it.
+        self._alive = liveness.AliveSignal(
+            self.inherited.alive_fd, timeout=self.settings.child_timeout
+        )
         try:
             reason = self._boot()
             if reason is not None:
@@ -262,6 +219,10 @@ class Child:
             application_name=APPLICATION_NAME,
             statement_timeout_ms=processing.WORKER_STATEMENT_TIMEOUT_MS,
             transaction_pooling=self.settings.transaction_pooling,
+            # One connection: a pass and its lease keeper share one, and nothing else runs
+            # at the same time (README, "The worker supervisor": connections per child).
+            pool_size=1,
+            max_overflow=0,
         )
         self._sessions = db_engine.make_sessionmaker(self._engine)
         # A database that is restarting (a deploy, a failover) is waited out for
@@ -273,6 +234,7 @@ class Child:
                 with self._engine.connect() as conn:
                     # The table the child works on: an unmigrated database is a boot error.
                     conn.execute(text("SELECT 1 FROM tasks LIMIT 0"))
+                self._take_back_leases(self.inherited.dead_holders)
                 break
             except DBAPIError as exc:
                 delay = retries.next()
@@ -293,6 +255,34 @@ class Child:
             self._listen_retry_at = time.monotonic() + self._listen_backoff.next()
         return None
 
+    def _take_back_leases(self, holders: Sequence[str]) -> None:
+        """Put back in the queue the tasks dead children held (design §5, "Hung children").
+
+        The supervisor names children it reaped (`Inherited.dead_holders`): they can never
+        write again, so their leases need not wait out `STALE_AFTER_SECONDS`.
+        """
+        if not holders:
+            return
+        assert self._sessions is not None
+        with self._sessions() as session:
+            expired = queue.expire_leases_of(session, holders)
+            session.commit()
+        # One line per task, as the sweep of expired leases writes them.
+        for task in expired:
+            fields = {
+                "event": "task.failed" if task.failed else "task.requeued",
+                "task_id": str(task.id), "company_id": str(task.company_id),
+                "type": task.type, "attempt": task.attempts, "locked_by": task.locked_by,
+            }  # fmt: skip
+            if task.failed:
+                fields["error_type"] = "WorkerLost"
+                log.warning(_MSG_HOLDER_DIED_FAILED, fields, extra=fields)
+                if self._metrics is not None:
+                    self._metrics.failed(task.type)
+            else:
+                log.warning(_MSG_HOLDER_DIED, fields, extra=fields)
+        log.info("took back %d tasks held by dead children (%s)", len(expired), ", ".join(holders))
+
     def _report(self, line: str) -> None:
         if self.inherited.status_fd is None:
             return
@@ -311,11 +301,18 @@ class Child:
             os.close(fd)
         if self.inherited.status_fd is not None:
             os.close(self.inherited.status_fd)
+        if self._alive is not None:  # last: until the process exits, it is not hung
+            self._alive.close()
 
     # -- the loop -------------------------------------------------------------------------
 
     def should_stop(self) -> bool:
-        """The stop flag the processing pass checks before each task: TERM or orphaned."""
+        """The stop flag the processing pass checks before each task: TERM or orphaned.
+
+        Called often (each task, each tick of a wait): it also marks the main thread's progress.
+        """
+        if self._alive is not None:
+            self._alive.progress()
         if self._stop.is_set():
             return True
         now = time.monotonic()
@@ -331,7 +328,9 @@ class Child:
         retries = backoff.Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
         while not self.should_stop():
             try:
-                claimed = self._process_once()
+                assert self._alive is not None
+                with self._alive.in_pass():
+                    claimed = self._process_once()
                 retries.reset()
                 self._maybe_maintain()
             except (DBAPIError, psycopg.Error) as exc:

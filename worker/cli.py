@@ -49,7 +49,7 @@ class _Flag:
 FLAGS = (
     _Flag(
         "--concurrency", "WORKER_CONCURRENCY", WorkerSettings.concurrency, "N",
-        "worker children to keep running (1..256)",
+        "worker children to keep running (1..WORKER_MAX_CONCURRENCY)",
     ),
     _Flag(
         "--batch-size", "WORKER_BATCH_SIZE", WorkerSettings.batch_size, "N",
@@ -67,14 +67,15 @@ FLAGS = (
 
 EPILOG = """\
 Other settings come from the environment only: DATABASE_URL (required), STALE_AFTER_SECONDS,
-SHUTDOWN_TIMEOUT_SECONDS, WORKER_BOOT_TIMEOUT_SECONDS, WORKER_METRICS_HOST,
-PROMETHEUS_MULTIPROC_DIR, TASK_RETENTION_DAYS, NOTIFY_CHANNEL, SMTP_URL, SMTP_FROM,
-WEBHOOK_ALLOW_PRIVATE, WEBHOOK_TIMEOUT_SECONDS, LOG_LEVEL, LOG_FORMAT.
+SHUTDOWN_TIMEOUT_SECONDS, WORKER_MAX_CONCURRENCY, WORKER_BOOT_TIMEOUT_SECONDS,
+WORKER_CHILD_TIMEOUT_SECONDS, WORKER_METRICS_HOST, PROMETHEUS_MULTIPROC_DIR,
+TASK_RETENTION_DAYS, NOTIFY_CHANNEL, SMTP_URL, SMTP_FROM, WEBHOOK_ALLOW_PRIVATE,
+WEBHOOK_TIMEOUT_SECONDS, LOG_LEVEL, LOG_FORMAT.
 
 Signals to the supervisor: TERM/INT graceful stop; QUIT stop within a second; TTIN/TTOU one
-child more/fewer; HUP rolling restart of the children.
+child more/fewer (at most WORKER_MAX_CONCURRENCY); HUP rolling restart of the children.
 Exit status: 0 stopped; 1 cannot start (e.g. metrics port taken); 2 invalid configuration;
-3 children could not boot."""
+3 children could not boot and none was working."""
 
 
 def build_parser() -> argparse.ArgumentParser:

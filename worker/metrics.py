@@ -5,9 +5,9 @@ supervisor imports it only after `worker.metrics_dir.prepare` (metrics created o
 in one process's memory, invisible to the supervisor's scrape).
 
 Children record task metrics through `TaskMetrics` (one set per child, written to that
-child's files); the supervisor serves the sum over every child's files, plus the two metrics
-only it knows (`worker_children`, `worker_child_restarts_total`), from `MetricsServer`, which
-its own select loop drives: no threads in a process that forks.
+child's files); the supervisor serves the sum over every child's files, plus the metrics only
+it knows (`worker_children`, `worker_child_restarts_total`, `worker_child_timeouts_total`),
+from `MetricsServer`, which its own select loop drives: no threads in a process that forks.
 """
 
 from __future__ import annotations
@@ -48,41 +48,47 @@ class TaskMetrics:
     multiprocess mode their values live in this process's files, which the supervisor's
     `MultiProcessCollector` reads. `type` labels are registered task type names only, so
     their number is bounded (design §7).
+
+    The API creates one too, for the passes of `POST /workers/process`, registered in the
+    app's `registry` (read from there outside multiprocess mode). One set per process: two
+    sets would write the same series of one multiprocess file.
     """
 
-    def __init__(self, task_types: Iterable[str] = ()) -> None:
+    def __init__(
+        self, task_types: Iterable[str] = (), *, registry: CollectorRegistry | None = None
+    ) -> None:
         # Per type: the completed counter's and the duration histogram's labelled children,
         # looked up once instead of on every report.
         self._completions: dict[str, tuple[Counter, Histogram]] = {}
         self.tasks_claimed = Counter(
-            "tasks_claimed_total", "Tasks moved to processing by a claim.", registry=None
+            "tasks_claimed_total", "Tasks moved to processing by a claim.", registry=registry
         )
         self.tasks_completed = Counter(
-            "tasks_completed_total", "Tasks completed.", ["type"], registry=None
+            "tasks_completed_total", "Tasks completed.", ["type"], registry=registry
         )
         self.tasks_retried = Counter(
             "tasks_retried_total", "Task attempts that failed and were scheduled again.",
-            ["type"], registry=None,
+            ["type"], registry=registry,
         )  # fmt: skip
         self.tasks_failed = Counter(
-            "tasks_failed_total", "Tasks failed for good.", ["type"], registry=None
+            "tasks_failed_total", "Tasks failed for good.", ["type"], registry=registry
         )
         self.tasks_released = Counter(
             "tasks_released_total", "Claimed tasks handed back unstarted (shutdown).",
-            registry=None,
+            registry=registry,
         )  # fmt: skip
         self.tasks_lease_lost = Counter(
             "tasks_lease_lost_total",
             "Finalizations refused because the lease had been taken over.",
-            registry=None,
+            registry=registry,
         )
         self.task_duration = Histogram(
             "task_duration_seconds", "Handler run time per task.", ["type"],
-            buckets=TASK_DURATION_BUCKETS, registry=None,
+            buckets=TASK_DURATION_BUCKETS, registry=registry,
         )  # fmt: skip
         self.claim_duration = Histogram(
             "claim_duration_seconds", "Duration of one claim transaction.",
-            buckets=CLAIM_DURATION_BUCKETS, registry=None,
+            buckets=CLAIM_DURATION_BUCKETS, registry=registry,
         )  # fmt: skip
         # Every type's series exists from the start at 0: rate() and increase() then see
         # a type's first event, and a type that only ever fails still has a completed series.
@@ -160,30 +166,40 @@ def observe_all(histogram: Histogram, amounts: Sequence[float]) -> None:
 
 
 class SupervisorCollector(Collector):
-    """`worker_children` and `worker_child_restarts_total`, read from the supervisor at scrape.
+    """`worker_children`, `worker_child_restarts_total` and `worker_child_timeouts_total`.
 
-    The supervisor is the only process that knows them, and it serves the scrape itself, so
-    they need no multiprocess files (and no gauge mode that a dead child could leave behind).
+    Read from the supervisor at scrape. The supervisor is the only process that knows them,
+    and it serves the scrape itself, so they need no multiprocess files (and no gauge mode
+    that a dead child could leave behind).
     """
 
-    def __init__(self, children: Callable[[], int], restarts: Callable[[], int]) -> None:
+    def __init__(
+        self, children: Callable[[], int], restarts: Callable[[], int], timeouts: Callable[[], int]
+    ) -> None:
         self._children = children
         self._restarts = restarts
+        self._timeouts = timeouts
 
     def describe(self) -> list[Metric]:
         """Nothing to describe ahead of a scrape."""
         return []
 
     def collect(self) -> Iterator[Metric]:
-        """Yield the current child count and restart total."""
+        """Yield the current child count and the restart and timeout totals."""
         yield GaugeMetricFamily(
-            "worker_children", "Worker children alive (retiring ones included).",
+            "worker_children",
+            "Worker children alive (booting and retiring ones included, hung ones not).",
             value=self._children(),
-        )  # fmt: skip
+        )
         yield CounterMetricFamily(
             "worker_child_restarts", "Children that died unexpectedly and were replaced.",
             value=self._restarts(),
         )  # fmt: skip
+        yield CounterMetricFamily(
+            "worker_child_timeouts",
+            "Hung children (silent for WORKER_CHILD_TIMEOUT_SECONDS) killed and replaced.",
+            value=self._timeouts(),
+        )
 
 
 def render(directory: Path, extra: Collector) -> bytes:

@@ -19,6 +19,7 @@ from worker.environment import (
     DEFAULT_NOTIFY_CHANNEL,
     DEFAULT_POOL_MODE,
     DEFAULT_STALE_AFTER_SECONDS,
+    SettingsError,
     env_float,
     env_handler_config,
     env_int,
@@ -31,6 +32,9 @@ from worker.environment import (
     env_url,
 )
 from worker.tasktypes.base import HandlerConfig
+
+# The most children one supervisor may be allowed (`WORKER_MAX_CONCURRENCY`).
+MAX_CHILDREN = 256
 
 
 @dataclass(frozen=True)
@@ -67,9 +71,14 @@ class WorkerSettings(PassSettings):
     database_pool_mode: str = DEFAULT_POOL_MODE
     listen_database_url: str | None = None
     concurrency: int = 2
+    # The most children SIGTTIN may bring; each holds two connections (README, "The worker
+    # supervisor": sizing max_connections).
+    max_concurrency: int = 32
     poll_interval: float = 1.0
     shutdown_timeout: float = 30.0
     boot_timeout: float = 60.0
+    # A child silent this long is killed and replaced (design §5, "Hung children").
+    child_timeout: float = 60.0
     metrics_port: int = 9100
     metrics_host: str = "0.0.0.0"  # noqa: S104  (metrics are scraped from other hosts)
     prometheus_multiproc_dir: Path | None = None
@@ -93,12 +102,25 @@ class WorkerSettings(PassSettings):
             env = ChainMap(dict(overrides), dict(env))
         log_level, log_format = env_logging(env)
         multiproc = env.get("PROMETHEUS_MULTIPROC_DIR", "").strip()
+        max_concurrency = env_int(
+            env, "WORKER_MAX_CONCURRENCY", cls.max_concurrency, minimum=1, maximum=MAX_CHILDREN
+        )
+        concurrency = env_int(
+            env, "WORKER_CONCURRENCY", cls.concurrency, minimum=1, maximum=MAX_CHILDREN
+        )
+        if concurrency > max_concurrency:
+            raise SettingsError(
+                f"WORKER_CONCURRENCY ({concurrency}) is above WORKER_MAX_CONCURRENCY "
+                f"({max_concurrency}): raise WORKER_MAX_CONCURRENCY, and the database's "
+                "max_connections with it (two connections per child)"
+            )
         # A field's class attribute is its default (`dataclasses`): each is written once.
         return cls(
             database_url=env_url(env),
             database_pool_mode=env_pool_mode(env),
             listen_database_url=env_optional_url(env, "LISTEN_DATABASE_URL"),
-            concurrency=env_int(env, "WORKER_CONCURRENCY", cls.concurrency, minimum=1, maximum=256),
+            concurrency=concurrency,
+            max_concurrency=max_concurrency,
             batch_size=env_int(env, "WORKER_BATCH_SIZE", cls.batch_size, minimum=1, maximum=10_000),
             poll_interval=env_float(
                 env, "WORKER_POLL_INTERVAL", cls.poll_interval, minimum=0.01, maximum=3600
@@ -109,6 +131,9 @@ class WorkerSettings(PassSettings):
             ),
             boot_timeout=env_float(
                 env, "WORKER_BOOT_TIMEOUT_SECONDS", cls.boot_timeout, minimum=0.0
+            ),
+            child_timeout=env_float(
+                env, "WORKER_CHILD_TIMEOUT_SECONDS", cls.child_timeout, minimum=1.0
             ),
             metrics_port=env_int(
                 env, "WORKER_METRICS_PORT", cls.metrics_port, minimum=0, maximum=65535

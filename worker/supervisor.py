@@ -1,6 +1,8 @@
 """The worker supervisor (design §5): forks children and keeps the right number alive.
 
-Modelled on gunicorn's arbiter. One single-threaded loop:
+Modelled on gunicorn's arbiter. One cohesive thing, the arbiter's loop and the state it
+keeps (children, signals, backoff, hung-child checks), kept in one module as gunicorn keeps
+its `arbiter.py`. One single-threaded loop:
 
 - Signal handlers only record: `signal.set_wakeup_fd` makes the C-level handler write each
   signal number into a non-blocking pipe, which is what wakes the loop's `poll()`; the Python
@@ -8,21 +10,33 @@ Modelled on gunicorn's arbiter. One single-threaded loop:
   `handle_term`, `handle_int`, `handle_quit`, `handle_ttin`, `handle_ttou`, `handle_hup`
   and `handle_chld`. No work ever happens inside a handler.
 - Then it reaps (`waitpid(-1, WNOHANG)` until nothing is left), kills retired children that
-  outlived `shutdown_timeout`, and runs `reconcile()`, the one idempotent step that spawns
-  missing children and retires the oldest surplus ones.
+  outlived `shutdown_timeout` and hung children (`kill_hung`), and runs `reconcile()`, the
+  one idempotent step that spawns missing children and retires the oldest surplus ones.
 - The same `poll()` serves the metrics port (`worker.metrics.MetricsServer`, hand-written:
   prometheus_client's servers use a thread or block, decision 0004) and reads each child's
   status pipe, on which a child reports that it booted or why it could not.
 
+Hung children (gunicorn's worker timeout, design §5): each child has a second pipe on which
+a thread of its own writes a byte every second while the child is alive
+(`liveness.AliveSignal`). The loop reads it without waiting on it (no wake-up per byte); a
+child silent for `child_timeout` is killed with SIGKILL, counted in `timeouts` and replaced.
+The tasks of any child reaped while the supervisor runs go back to the queue at once: the
+next child to boot takes back the leases of the dead ones (`Inherited.dead_holders`), so
+they need not wait out the stale window. The monotonic clock of the supervisor measures the
+silence: no file times, so a step of the wall clock neither kills nor hides a child.
+
 Signals: TERM and INT stop gracefully (TERM to every child, reap every 100 ms for up to
 `shutdown_timeout`, then KILL what is left); QUIT is the same with a one-second grace
 (`QUICK_SHUTDOWN_SECONDS`) so children can still hand back unstarted tasks; a QUIT during a
-graceful stop shortens it the same way. TTIN/TTOU add or remove one child (never below one;
-the oldest is retired with TERM). HUP replaces every child, one at a time, each old child
-retired only once its replacement has booted.
+graceful stop shortens it the same way. TTIN/TTOU add or remove one child (never below one,
+never above `max_concurrency`; the oldest is retired with TERM). HUP replaces every child,
+one at a time, each old child retired only once its replacement has booted.
 
-Exit status of `run()`: 0 when stopped by a signal; `BOOT_FAILED_EXIT` when children failed
-to boot `BOOT_FAILURE_LIMIT` times in a row, with the last child's reason logged.
+A child that cannot boot (the database refuses another connection, ...) is retried with
+backoff, one booting child at a time until one boots; children already working are never
+stopped for it. Exit status of `run()`: 0 when stopped by a signal; `BOOT_FAILED_EXIT` when
+children failed to boot `BOOT_FAILURE_LIMIT` times in a row while none was working, with the
+last child's reason logged.
 
 The supervisor never opens a database connection, and starts no thread: the children it
 forks inherit nothing they could share by mistake.
@@ -62,7 +76,8 @@ SIGNAL_NAMES: dict[int, str] = {int(sig): sig.name[3:].lower() for sig in SIGNAL
 # Exit status of the supervisor when children keep failing to boot (gunicorn uses 3 too).
 BOOT_FAILED_EXIT = 3
 # Boot failures in a row, without a successful boot in between and within the window, that
-# stop the supervisor instead of crash-looping against a database that is not there.
+# stop the supervisor instead of crash-looping against a database that is not there; only
+# while no child is working, else it keeps retrying (one booting child at a time).
 BOOT_FAILURE_LIMIT = 5
 BOOT_FAILURE_WINDOW_SECONDS = 60.0
 
@@ -80,9 +95,9 @@ QUICK_SHUTDOWN_SECONDS = 1.0
 STOP_REAP_INTERVAL_SECONDS = 0.1
 # After SIGKILL, how long to wait for the kernel to hand back the corpses.
 KILL_REAP_SECONDS = 5.0
-# Upper bound of one loop iteration: retire deadlines and idle clients are checked this often.
+# Upper bound of one loop iteration: retire deadlines, hung children and idle clients are
+# checked this often (or twice per `child_timeout`, if that is shorter).
 TICK_SECONDS = 1.0
-MAX_CHILDREN = 256
 
 ChildMain = Callable[[WorkerSettings, child.Inherited], int]
 
@@ -96,18 +111,24 @@ class ChildProcess:
     """What the supervisor knows about one forked child.
 
     `started_at` is monotonic; `generation` is the HUP generation it was spawned in;
-    `status_fd` is the read end of its status pipe (-1 once closed).
+    `status_fd` and `alive_fd` are the read ends of its status and alive pipes (-1 once
+    closed); `alive_at` (monotonic) is when it last said it was alive; `dead_holders` are
+    the dead children whose leases it takes back at boot.
     """
 
     pid: int
     started_at: float
     generation: int
     status_fd: int
+    alive_fd: int = -1
+    alive_at: float = 0.0
+    dead_holders: tuple[str, ...] = ()
     status: bytes = b""
     booted: bool = False
     retiring: bool = False
     kill_at: float | None = None
     killed: bool = False
+    hung: bool = False
 
     @property
     def boot_error(self) -> str:
@@ -143,6 +164,7 @@ class Supervisor:
         self.desired = settings.concurrency
         self.children: dict[int, ChildProcess] = {}
         self.restarts = 0
+        self.timeouts = 0
         self._child_main = child_main
         self._metrics_port_file = metrics_port_file
         self._generation = 0
@@ -150,6 +172,12 @@ class Supervisor:
         self._spawn_after = 0.0
         self._deaths: collections.deque[float] = collections.deque()
         self._boot_failures: collections.deque[float] = collections.deque()
+        # Boot failures since the last successful boot: their backoff, and while any, one
+        # booting child at a time.
+        self._boot_streak = 0
+        # `locked_by` of reaped children whose leases no booted child has taken back yet,
+        # and when each died (monotonic).
+        self._dead_holders: dict[str, float] = {}
         self._wake_r = -1
         self._wake_w = -1
         self._server: metrics.MetricsServer | None = None
@@ -175,6 +203,7 @@ class Supervisor:
                 if self._stop_requested():
                     break
                 self.kill_overdue()
+                self.kill_hung()
                 self.reconcile()
                 for signum in self._wait(self._tick_timeout()):
                     self._dispatch(signum)
@@ -215,7 +244,9 @@ class Supervisor:
         # its value storage from the variable then, for this process and every child.
         from worker import metrics  # noqa: PLC0415
 
-        collector = metrics.SupervisorCollector(lambda: len(self.children), lambda: self.restarts)
+        collector = metrics.SupervisorCollector(
+            self.live_children, lambda: self.restarts, lambda: self.timeouts
+        )
         host, port = self.settings.metrics_host, self.settings.metrics_port
         try:
             self._server = metrics.MetricsServer(
@@ -242,13 +273,13 @@ class Supervisor:
                 os.close(fd)
         self._wake_r = self._wake_w = -1
         for proc in self.children.values():
-            self._close_status(proc)
+            self._close_pipes(proc)
         metrics_dir.remove_temporary()
 
     # -- the loop's wait ------------------------------------------------------------------
 
     def _tick_timeout(self) -> float:
-        timeout = TICK_SECONDS
+        timeout = min(TICK_SECONDS, self.settings.child_timeout / 2)
         if self._missing_children() and self._spawn_after > 0:
             timeout = min(timeout, max(0.0, self._spawn_after - time.monotonic()))
         for proc in self.children.values():
@@ -325,8 +356,13 @@ class Supervisor:
         )
 
     def handle_ttin(self) -> None:
-        """One child more."""
-        self.desired = min(self.desired + 1, MAX_CHILDREN)
+        """One child more, never above `max_concurrency`."""
+        if self.desired >= self.settings.max_concurrency:
+            log.warning(
+                "SIGTTIN ignored: already %d children, WORKER_MAX_CONCURRENCY", self.desired
+            )
+            return
+        self.desired += 1
         log.info("desired children: %d", self.desired)
 
     def handle_ttou(self) -> None:
@@ -357,46 +393,71 @@ class Supervisor:
             if proc is None:
                 continue
             self._read_status(proc)
-            self._close_status(proc)
+            self._close_pipes(proc)
             self._mark_dead(pid)
             self._on_exit(proc, status)
 
     def _on_exit(self, proc: ChildProcess, status: int) -> None:
         now = time.monotonic()
-        if os.WIFEXITED(status):
-            code: int | None = os.WEXITSTATUS(status)
-            how = f"exit status {code}"
-        else:
-            code = None
-            sig = os.WTERMSIG(status)
-            how = f"killed by {signal.Signals(sig).name}"
-            if sig == signal.SIGKILL and not proc.killed:
-                # We send SIGKILL only to overdue or leftover children; anyone else's is
-                # almost always the kernel's out-of-memory killer.
-                how += " (likely out of memory: the OOM killer sends SIGKILL)"
+        code, how = _describe_exit(proc, status)
+        if code not in (0, child.BOOT_ERROR) and not self._stopping:
+            # Killed or crashed, and dead for sure (reaped): none of its writes can come
+            # after the take-back. A child that could not boot never claimed; one that
+            # stopped cleanly handed its tasks back itself.
+            self._dead_holders[child.worker_id(proc.pid)] = now
         if proc.retiring or self._stopping:
             level = logging.INFO if code in (0, None) else logging.WARNING
             log.log(level, "child %d exited (%s)", proc.pid, how)
             return
+        delay = self._restart_delay(proc, now)
+        self._spawn_after = now + delay
+        if proc.hung:  # counted in `timeouts` when it was killed
+            log.error(
+                "hung child %d is dead (%s); the tasks it held go back to the queue; "
+                "replacing it in %.2fs", proc.pid, how, delay,
+            )  # fmt: skip
+            return
         self.restarts += 1
+        if code == child.BOOT_ERROR:
+            self._on_boot_failure(proc, now)
+            return
+        log.error("child %d died unexpectedly (%s); replacing it in %.2fs", proc.pid, how, delay)
+
+    def _restart_delay(self, proc: ChildProcess, now: float) -> float:
+        """Seconds before a dead child's successor: the ceiling of the quick deaths in a row."""
         if now - proc.started_at >= RESTART_STABLE_AFTER_SECONDS:
             self._deaths.clear()
         self._deaths.append(now)
         while self._deaths and now - self._deaths[0] > RESTART_BACKOFF_WINDOW_SECONDS:
             self._deaths.popleft()
-        delay = backoff.ceiling(
+        return backoff.ceiling(
             len(self._deaths), base=RESTART_BACKOFF_BASE_SECONDS, cap=RESTART_BACKOFF_MAX_SECONDS
         )
-        self._spawn_after = now + delay
-        if code != child.BOOT_ERROR:
-            log.error(
-                "child %d died unexpectedly (%s); replacing it in %.2fs", proc.pid, how, delay
-            )
-            return
+
+    def _on_boot_failure(self, proc: ChildProcess, now: float) -> None:
+        """Retry with backoff; stop the supervisor only if no child works and none can boot."""
         reason = proc.boot_error
+        self._boot_streak += 1
+        # A boot that waited out the database (WORKER_BOOT_TIMEOUT_SECONDS) is no quick
+        # death, yet failures in a row must still back off.
+        streak_delay = backoff.ceiling(
+            self._boot_streak, base=RESTART_BACKOFF_BASE_SECONDS, cap=RESTART_BACKOFF_MAX_SECONDS
+        )
+        self._spawn_after = max(self._spawn_after, now + streak_delay)
+        delay = self._spawn_after - now
         self._boot_failures.append(now)
         while self._boot_failures and now - self._boot_failures[0] > BOOT_FAILURE_WINDOW_SECONDS:
             self._boot_failures.popleft()
+        working = self.working_children()
+        if working:
+            # Never stop children that work because another cannot join them (the database
+            # refuses more connections, ...): keep trying, one booting child at a time.
+            log.error(
+                "child %d could not boot: %s; retrying in %.2fs (%d failures in a row; "
+                "%d working children carry on)", proc.pid, reason, delay, self._boot_streak,
+                working,
+            )  # fmt: skip
+            return
         if len(self._boot_failures) < BOOT_FAILURE_LIMIT:
             log.error("child %d could not boot: %s; retrying in %.2fs", proc.pid, reason, delay)
             return
@@ -404,8 +465,8 @@ class Supervisor:
         if self._stop is not None:
             return  # already stopping: the first reason stands
         self._stop = _StopRequest(
-            f"children failed to boot {len(self._boot_failures)} times in a row; "
-            f"last reason: {reason}",
+            f"children failed to boot {len(self._boot_failures)} times in a row and none "
+            f"is working; last reason: {reason}",
             self.settings.shutdown_timeout,
             BOOT_FAILED_EXIT,
         )
@@ -415,6 +476,51 @@ class Supervisor:
 
         if self._metrics_dir is not None:
             metrics.forget_process(self._metrics_dir, pid)
+
+    def live_children(self) -> int:
+        """Children not hung nor killed (`worker_children`): booting and retiring ones count."""
+        return sum(1 for p in self.children.values() if not p.killed)
+
+    def working_children(self) -> int:
+        """Children that booted and are neither retiring nor hung nor killed."""
+        return sum(1 for p in self.children.values() if p.booted and not (p.retiring or p.killed))
+
+    def kill_hung(self) -> None:
+        """SIGKILL children that have not said they are alive for `child_timeout`.
+
+        Stopped (SIGSTOP, a frozen cgroup) or stuck: a child that works says so every second
+        (`liveness.AliveSignal`). Its tasks go back to the queue once it is reaped.
+        """
+        now = time.monotonic()
+        for proc in self.children.values():
+            if proc.killed:
+                continue
+            if self._drain_alive(proc):
+                proc.alive_at = now
+                continue
+            silent = now - proc.alive_at
+            if silent < self.settings.child_timeout:
+                continue
+            proc.hung = True
+            self.timeouts += 1
+            log.error(
+                "child %d gave no sign of life for %.1fs (WORKER_CHILD_TIMEOUT_SECONDS=%g): "
+                "stopped or stuck; killing it", proc.pid, silent, self.settings.child_timeout,
+            )  # fmt: skip
+            self._kill(proc)
+
+    def _drain_alive(self, proc: ChildProcess) -> bool:
+        """Read what the child wrote on its alive pipe; tell whether it wrote anything."""
+        alive = False
+        while proc.alive_fd >= 0:
+            try:
+                data = os.read(proc.alive_fd, 4096)
+            except (BlockingIOError, InterruptedError):
+                break
+            if not data:  # the child closed it (exiting): the reap decides what that means
+                break
+            alive = True
+        return alive
 
     def kill_overdue(self) -> None:
         """SIGKILL retired children still running `shutdown_timeout` after their TERM."""
@@ -429,7 +535,8 @@ class Supervisor:
 
         Retires the oldest children beyond the desired count (one more is allowed while a
         rolling restart has a replacement up), advances the rolling restart by at most one
-        child, and spawns missing children once the restart backoff has passed.
+        child, and spawns missing children once the restart backoff has passed (one at a
+        time while children fail to boot).
         """
         if self._stop is not None:
             return
@@ -450,6 +557,8 @@ class Supervisor:
         while len(self._active()) < self.desired + allowance:
             if time.monotonic() < self._spawn_after:
                 return
+            if self._boot_streak and any(not p.booted for p in self._active()):
+                return  # children fail to boot: try one at a time until one does
             if not self.spawn():
                 return
 
@@ -468,49 +577,73 @@ class Supervisor:
     def spawn(self) -> bool:
         """Fork one child; return False when fork failed (retried after a delay)."""
         status_r, status_w = os.pipe()
+        alive_r, alive_w = os.pipe()
+        dead_holders = self._dead_holders_to_take_back()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
-        # Read before forking: if the supervisor died between fork and the child's getppid(),
-        # the child would record pid 1 as its parent and never notice it was orphaned.
-        supervisor_pid = os.getpid()
+        inherited = child.Inherited(
+            # Read before forking: if the supervisor died between fork and the child's
+            # getppid(), the child would record pid 1 as its parent and never notice it was
+            # orphaned.
+            parent_pid=os.getpid(),
+            status_fd=status_w,
+            signal_mask=frozenset(signal.Signals(sig) for sig in mask),
+            alive_fd=alive_w,
+            dead_holders=dead_holders,
+        )
         try:
             pid = os.fork()
         except OSError as exc:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            os.close(status_r)
-            os.close(status_w)
+            for fd in (status_r, status_w, alive_r, alive_w):
+                os.close(fd)
             log.error("fork failed: %s; retrying in 1s", exc)
             self._spawn_after = time.monotonic() + 1.0
             return False
         if pid == 0:  # pragma: no cover  (runs in the child; covered by the process tests)
-            self._become_child(status_r, status_w, mask, supervisor_pid)
+            self._become_child(inherited, (status_r, alive_r))
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        os.close(status_w)
-        os.set_blocking(status_r, False)
-        self.children[pid] = ChildProcess(pid, time.monotonic(), self._generation, status_r)
+        for fd in (status_w, alive_w):
+            os.close(fd)
+        for fd in (status_r, alive_r):
+            os.set_blocking(fd, False)
+        now = time.monotonic()
+        self.children[pid] = ChildProcess(
+            pid, now, self._generation, status_r,
+            alive_fd=alive_r, alive_at=now, dead_holders=dead_holders,
+        )  # fmt: skip
         log.info("spawned child %d", pid)
         return True
 
-    def _become_child(
-        self, status_r: int, status_w: int, mask: set[int | signal.Signals], supervisor_pid: int
-    ) -> None:
-        """Turn this freshly forked process into a child; never returns."""
+    def _dead_holders_to_take_back(self) -> tuple[str, ...]:
+        """The dead children whose leases the next child takes back at boot.
+
+        Only those that died within the stale window: older ones' leases have expired
+        already, and the longer a `host:pid` waits, the likelier its pid is reused by a
+        live worker of another supervisor on this host.
+        """
+        now = time.monotonic()
+        for holder, died_at in list(self._dead_holders.items()):
+            if now - died_at >= self.settings.stale_after:
+                del self._dead_holders[holder]
+        return tuple(self._dead_holders)
+
+    def _become_child(self, inherited: child.Inherited, parents_ends: tuple[int, ...]) -> None:
+        """Turn this freshly forked process into a child; never returns.
+
+        `parents_ends`: the supervisor's ends of this child's pipes, closed here.
+        """
         code = 1
         try:
             # First: nothing of the supervisor may run here (handlers, wakeup pipe, sockets).
             child.reset_inherited_signals()
-            os.close(status_r)
-            for fd in (self._wake_r, self._wake_w):
+            for fd in (*parents_ends, self._wake_r, self._wake_w):
                 os.close(fd)
             if self._server is not None:
                 self._server.close()
             for proc in self.children.values():
-                if proc.status_fd >= 0:
-                    os.close(proc.status_fd)
-            inherited = child.Inherited(
-                parent_pid=supervisor_pid,
-                status_fd=status_w,
-                signal_mask=frozenset(signal.Signals(sig) for sig in mask),
-            )
+                for fd in (proc.status_fd, proc.alive_fd):
+                    if fd >= 0:
+                        os.close(fd)
             code = self._child_main(self.settings, inherited)
         except BaseException:
             log.exception("child %d crashed", os.getpid())
@@ -534,11 +667,22 @@ class Supervisor:
             if not proc.booted and child.STATUS_BOOTED.encode() in proc.status:
                 proc.booted = True
                 self._boot_failures.clear()  # a boot in between: failures are no longer in a row
+                self._boot_streak = 0
+                # It booted, so it took back the leases of the dead children it was given.
+                for holder in proc.dead_holders:
+                    self._dead_holders.pop(holder, None)
 
     def _close_status(self, proc: ChildProcess) -> None:
         if proc.status_fd >= 0:
             os.close(proc.status_fd)
             proc.status_fd = -1
+
+    def _close_pipes(self, proc: ChildProcess) -> None:
+        """Close the supervisor's ends of the child's status and alive pipes."""
+        self._close_status(proc)
+        if proc.alive_fd >= 0:
+            os.close(proc.alive_fd)
+            proc.alive_fd = -1
 
     def _kill(self, proc: ChildProcess) -> None:
         proc.killed = True  # so its SIGKILL death is not blamed on the OOM killer
@@ -589,6 +733,20 @@ class Supervisor:
                 self._wait(STOP_REAP_INTERVAL_SECONDS, serve=False)
         for pid in self.children:
             log.error("child %d did not die after SIGKILL; giving up on it", pid)
+
+
+def _describe_exit(proc: ChildProcess, status: int) -> tuple[int | None, str]:
+    """The exit code (None if killed by a signal) and how to say it in the log."""
+    if os.WIFEXITED(status):
+        code = os.WEXITSTATUS(status)
+        return code, f"exit status {code}"
+    sig = os.WTERMSIG(status)
+    how = f"killed by {signal.Signals(sig).name}"
+    if sig == signal.SIGKILL and not proc.killed:
+        # We send SIGKILL only to hung, overdue or leftover children; anyone else's is
+        # almost always the kernel's out-of-memory killer.
+        how += " (likely out of memory: the OOM killer sends SIGKILL)"
+    return None, how
 
 
 def _record_only(signum: int, frame: object) -> None:

@@ -26,7 +26,7 @@ class Companies(MethodView):
 
     @blp.doc(operationId="create_company")
     @auth.admin_required
-    @blp.arguments(CompanyCreateSchema)
+    @blp.arguments(CompanyCreateSchema())
     @blp.response(201, CompanyCreatedSchema)
     @blp.error(400, "Malformed JSON.")
     @blp.error(401, "Missing or invalid admin token.")
@@ -71,7 +71,7 @@ class CompanyById(MethodView):
     @blp.doc(operationId="update_company")
     @auth.admin_required
     @blp.arguments(
-        CompanyLimitsSchema,
+        CompanyLimitsSchema(),
         description="At least one of weight and max_in_flight; the other keeps its value.",
     )
     @blp.response(200, CompanySchema)

@@ -66,8 +66,8 @@ class Tasks(MethodView):
 
     @blp.doc(operationId="create_task")
     @auth.company_required()
-    @blp.arguments(IdempotencyHeaderSchema, location="headers")
-    @blp.arguments(TaskCreateSchema)
+    @blp.arguments(IdempotencyHeaderSchema(), location="headers")
+    @blp.arguments(TaskCreateSchema())
     @blp.response(201, TaskSchema, headers={"Location": _LOCATION})
     @blp.alt_response(
         200,
@@ -105,7 +105,7 @@ class Tasks(MethodView):
 
     @blp.doc(operationId="list_tasks")
     @auth.company_required()
-    @blp.arguments(TaskListQuerySchema, location="query")
+    @blp.arguments(TaskListQuerySchema(), location="query")
     @blp.response(200, TaskPageSchema)
     @blp.error(401, "Missing or invalid token.")
     @blp.error(403, "The admin token cannot act for a company.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 from typing import Any
 
@@ -62,6 +63,13 @@ def check_payload_limits(payload: Any) -> None:
         )
 
 
+@functools.cache
+def _instance_of(schema: type[Schema]) -> Schema:
+    # One instance per payload schema, built once: a marshmallow schema's construction copies
+    # its fields and costs more than validating a small payload. Validation keeps no state.
+    return schema()
+
+
 class TaskCreateSchema(Schema):
     """Body of POST /companies/{companyId}/tasks."""
 
@@ -112,7 +120,7 @@ class TaskCreateSchema(Schema):
             raise ValidationError(exc.messages, field_name="payload") from None
         task_type = tasktypes.get(data["type"])
         assert task_type is not None  # checked by _known_type
-        errors = task_type.payload_schema().validate(payload)
+        errors = _instance_of(task_type.payload_schema).validate(payload)
         if errors:
             raise ValidationError(errors, field_name="payload")
 

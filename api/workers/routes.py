@@ -3,7 +3,8 @@
 For operations and tests without a running supervisor (design §3). The pass uses the worker
 defaults (batch 100, fair across companies), the API's `STALE_AFTER_SECONDS` and the same
 handler settings as the worker (`SMTP_URL`, `WEBHOOK_ALLOW_PRIVATE`, ...); it runs in the
-request, so the response waits for every claimed task's handler.
+request, so the response waits for every claimed task's handler. Its tasks are counted in the
+API's `/metrics` under the worker's names (`tasks_claimed_total`, `tasks_completed_total`, ...).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from flask import current_app
 from flask.views import MethodView
 from marshmallow import Schema, fields
 
-from api import auth, database
+from api import auth, database, metrics
 from api.parser import Blueprint
 from api.settings import ApiSettings
 from worker import processing
@@ -60,4 +61,5 @@ class Process(MethodView):
             settings=PassSettings(
                 stale_after=settings.stale_after_seconds, handler_config=settings.handler_config
             ),
+            observer=metrics.task_metrics(current_app),
         )

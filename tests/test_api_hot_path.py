@@ -1,0 +1,275 @@
+"""The API's hot path (design §3 "Connections"): round trips, the key cache, the idle ping."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from flask import Flask
+from flask.testing import FlaskClient
+from sqlalchemy import Engine, event, pool, text
+from sqlalchemy.orm import Session
+
+from api import auth, database
+from api.settings import ApiSettings
+from db import queue
+from db.engine import make_engine
+from db.models import Task
+from tests.conftest import make_test_app
+from tests.factories import CompanyWithKey, insert_company
+
+NOTIFY_CHANNEL = "fairq_tasks"
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(app: Flask, monkeypatch: pytest.MonkeyPatch) -> Iterator[Clock]:
+    """The shared app's key cache on a hand-moved clock, emptied before and after the test."""
+    cache = auth.key_cache(app)
+    fake = Clock()
+    monkeypatch.setattr(cache, "clock", fake)
+    cache.clear()
+    yield fake
+    cache.clear()
+
+
+@pytest.fixture
+def own_app(fresh_db_url: str) -> Iterator[Flask]:
+    """An app on its own database with its own engine: statements commit as in production."""
+    app = make_test_app(fresh_db_url)
+    yield app
+    database.engine_of(app).dispose()
+    database.probe_engine_of(app).dispose()
+
+
+class Statements:
+    """What the app's engine sent: each statement, whether its connection was in autocommit."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.sent: list[tuple[str, bool]] = []
+        self.pings = 0
+        event.listen(engine, "before_cursor_execute", self._before)
+
+    def _before(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        driver = conn.connection.driver_connection
+        self.sent.append((" ".join(statement.split())[:60], bool(driver.autocommit)))
+
+    def clear(self) -> None:
+        """Forget what was sent so far."""
+        self.sent.clear()
+        self.pings = 0
+
+
+@pytest.fixture
+def statements(own_app: Flask, monkeypatch: pytest.MonkeyPatch) -> Statements:
+    """Statements of `own_app`'s engine, and its pings, from now on."""
+    engine = database.engine_of(own_app)
+    seen = Statements(engine)
+    ping = engine.dialect.do_ping
+
+    def counted(dbapi_connection: Any) -> bool:
+        seen.pings += 1
+        return ping(dbapi_connection)
+
+    monkeypatch.setattr(engine.dialect, "do_ping", counted)
+    return seen
+
+
+def _own_company(app: Flask) -> CompanyWithKey:
+    return insert_company(database.engine_of(app))
+
+
+def test_a_create_is_one_statement_in_autocommit_with_no_ping(
+    own_app: Flask, statements: Statements
+) -> None:
+    company = _own_company(own_app)
+    client = own_app.test_client()
+    url = f"/companies/{company.id}/tasks"
+    assert client.post(url, json={"type": "noop"}, headers=company.headers).status_code == 201
+    statements.clear()
+
+    response = client.post(url, json={"type": "noop"}, headers=company.headers)
+
+    assert response.status_code == 201
+    # One statement, its own transaction (no BEGIN before it, no COMMIT after): the insert
+    # and the NOTIFY together; the key was found by the cache, the connection was not pinged.
+    assert [autocommit for _, autocommit in statements.sent] == [True]
+    assert "INSERT INTO tasks" in statements.sent[0][0]
+    assert statements.pings == 0
+
+
+def test_a_read_and_a_list_are_one_statement_each(own_app: Flask, statements: Statements) -> None:
+    company = _own_company(own_app)
+    client = own_app.test_client()
+    url = f"/companies/{company.id}/tasks"
+    task_id = client.post(url, json={"type": "noop"}, headers=company.headers).json["id"]  # type: ignore[index]
+    statements.clear()
+
+    assert client.get(f"{url}/{task_id}", headers=company.headers).status_code == 200
+    assert client.get(url, headers=company.headers).status_code == 200
+
+    assert [autocommit for _, autocommit in statements.sent] == [True, True]
+    assert statements.pings == 0
+
+
+def test_a_created_task_wakes_listeners_once_committed(own_app: Flask, fresh_db_url: str) -> None:
+    company = _own_company(own_app)
+    dsn = fresh_db_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        response = own_app.test_client().post(
+            f"/companies/{company.id}/tasks",
+            json={"type": "noop"},
+            headers={**company.headers, "Idempotency-Key": "wake-1"},
+        )
+        assert response.status_code == 201
+        first = [n.payload for n in listener.notifies(timeout=2, stop_after=1)]
+        replay = own_app.test_client().post(
+            f"/companies/{company.id}/tasks",
+            json={"type": "noop"},
+            headers={**company.headers, "Idempotency-Key": "wake-1"},
+        )
+        assert replay.status_code == 200
+        again = [n.payload for n in listener.notifies(timeout=0.5)]
+    assert first == [str(company.id)]
+    assert again == []  # a replay inserts nothing and wakes nobody
+
+
+def test_a_pooled_connection_killed_while_idle_is_replaced_before_use(fresh_db_url: str) -> None:
+    engine = make_engine(fresh_db_url, ping_after_idle=0.0, pool_size=1, max_overflow=0)
+    try:
+        with engine.connect() as conn:
+            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        # Terminate the pooled connection's server process, as a restart would.
+        killer = make_engine(fresh_db_url, poolclass=pool.NullPool)
+        with killer.connect() as conn:
+            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        killer.dispose()
+
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != pid
+    finally:
+        engine.dispose()
+
+
+def test_a_busy_connection_is_not_pinged(
+    fresh_db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(fresh_db_url, ping_after_idle=60.0)
+    pings: list[object] = []
+    monkeypatch.setattr(engine.dialect, "do_ping", pings.append)
+    try:
+        for _ in range(3):
+            with engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+        assert pings == []
+    finally:
+        engine.dispose()
+
+
+def test_a_known_key_is_looked_up_once_within_the_cache_window(
+    app: Flask, client: FlaskClient, company: CompanyWithKey, clock: Clock
+) -> None:
+    url = f"/companies/{company.id}/tasks"
+    assert client.get(url, headers=company.headers).status_code == 200
+    assert auth.key_cache(app).get(auth.hash_api_key(company.api_key)) == company.id
+
+
+def test_a_deleted_company_key_stops_working_after_the_cache_window(
+    client: FlaskClient, db_session: Session, company: CompanyWithKey, clock: Clock
+) -> None:
+    url = f"/companies/{company.id}/tasks"
+    assert client.get(url, headers=company.headers).status_code == 200
+    db_session.execute(text("DELETE FROM companies WHERE id = :id"), {"id": company.id})
+
+    # Within the window the key still authenticates, and the company's data is gone: a
+    # write is refused as for a company that does not exist (never a 5xx).
+    clock.now += auth.KEY_CACHE_SECONDS - 0.5
+    assert client.get(url, headers=company.headers).json["items"] == []  # type: ignore[index]
+    created = client.post(url, json={"type": "noop"}, headers=company.headers)
+    assert created.status_code == 404, created.json
+
+    clock.now += 1.0
+    refused = client.get(url, headers=company.headers)
+    assert refused.status_code == 401
+    assert refused.headers["WWW-Authenticate"].startswith("Bearer")
+
+
+def test_a_replaced_key_stops_working_after_the_cache_window(
+    client: FlaskClient, db_session: Session, company: CompanyWithKey, clock: Clock
+) -> None:
+    url = f"/companies/{company.id}/tasks"
+    assert client.get(url, headers=company.headers).status_code == 200
+    new_key = auth.new_api_key()
+    db_session.execute(
+        text("UPDATE companies SET api_key_hash = :h WHERE id = :id"),
+        {"h": auth.hash_api_key(new_key), "id": company.id},
+    )
+    clock.now += auth.KEY_CACHE_SECONDS + 0.1
+
+    assert client.get(url, headers=company.headers).status_code == 401
+    new_headers = {"Authorization": f"Bearer {new_key}"}
+    assert client.get(url, headers=new_headers).status_code == 200
+
+
+def test_an_unknown_key_is_never_remembered(app: Flask, client: FlaskClient, clock: Clock) -> None:
+    url = f"/companies/{uuid.uuid4()}/tasks"
+    for _ in range(2):
+        response = client.get(url, headers={"Authorization": "Bearer fq_not-a-key"})
+        assert response.status_code == 401
+    assert auth.key_cache(app).get(auth.hash_api_key("fq_not-a-key")) is None
+
+
+def test_the_key_cache_forgets_entries_after_its_ttl_and_stays_bounded() -> None:
+    clock = Clock()
+    cache = auth.KeyCache(ttl=5.0, size=2, clock=clock)
+    first, second, third = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    cache.put("a", first)
+    clock.now += 4.9
+    assert cache.get("a") == first
+    clock.now += 0.1
+    assert cache.get("a") is None
+
+    cache.put("a", first)
+    cache.put("b", second)
+    cache.put("c", third)  # over the bound: starts over
+    assert (cache.get("a"), cache.get("b"), cache.get("c")) == (None, None, third)
+
+
+def test_a_task_record_carries_the_stored_values(
+    db_session: Session, company: CompanyWithKey
+) -> None:
+    record, created = queue.create_task(
+        db_session, company_id=company.id, type="noop", payload={"n": 1}, idempotency_key="k",
+        request_hash="h", notify_channel=NOTIFY_CHANNEL,
+    )  # fmt: skip
+    stored = db_session.get(Task, record.id)
+
+    assert created
+    assert stored is not None
+    assert record == queue.get_task(db_session, company.id, record.id)
+    assert {name: getattr(stored, name) for name in queue.TaskRecord._fields} == record._asdict()
+
+
+def test_the_pool_keeps_one_connection_per_gunicorn_thread(main_db_url: str) -> None:
+    settings = ApiSettings.from_env({"DATABASE_URL": main_db_url, "GUNICORN_THREADS": "8"})
+    app = make_test_app(main_db_url, database_pool_size=settings.database_pool_size)
+    try:
+        engine_pool = database.engine_of(app).pool
+        assert isinstance(engine_pool, pool.QueuePool)
+        assert (engine_pool.size(), engine_pool._max_overflow) == (8, 8)
+    finally:
+        database.engine_of(app).dispose()
+        database.probe_engine_of(app).dispose()
