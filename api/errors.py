@@ -134,21 +134,6 @@ def _status_name(code: int) -> str:
     return HTTPStatus(code).phrase
 
 
-def brief_db_error(error: DBAPIError) -> str:
-    """The driver error's class and primary message, for logs.
-
-    Not its DETAIL or CONTEXT lines, nor the statement's parameters: they can quote the data
-    that was written (a check violation's DETAIL shows the whole row, payload included).
-    """
-    orig = error.orig
-    diag = getattr(orig, "diag", None)
-    primary = getattr(diag, "message_primary", None)
-    if not primary:
-        lines = str(orig).strip().splitlines()
-        primary = lines[0] if lines else ""
-    return f"{type(orig).__name__}: {primary}"
-
-
 def register(app: Flask) -> None:
     """Register handlers for domain errors and for driver errors that escape a view."""
 
@@ -161,7 +146,7 @@ def register(app: Flask) -> None:
     def handle_integrity(error: IntegrityError) -> tuple[dict[str, Any], int]:
         # Constraints are checked by the schemas first; reaching one here means a race or a
         # gap in validation: the client's request, not a server fault. Named by constraint.
-        app.logger.warning("integrity error reached the API boundary: %s", brief_db_error(error))
+        app.logger.warning("integrity error reached the API boundary: %s", db_errors.brief(error))
         constraint = getattr(getattr(error.orig, "diag", None), "constraint_name", None)
         if constraint in _CONSTRAINT_FIELD:
             field, why = _CONSTRAINT_FIELD[constraint]
@@ -178,7 +163,7 @@ def register(app: Flask) -> None:
     ) -> tuple[dict[str, Any], int] | tuple[dict[str, Any], int, dict[str, str]]:
         if isinstance(error, OperationalError | InterfaceError):
             # Connection lost, server restarting, timeouts: the client may simply retry.
-            app.logger.error("database unavailable: %s", brief_db_error(error))
+            app.logger.error("database unavailable: %s", db_errors.brief(error))
             return (
                 error_body(503, _status_name(503), "the database is unavailable, try again"),
                 503,
@@ -186,10 +171,10 @@ def register(app: Flask) -> None:
             )
         if isinstance(error, DataError):
             # A value PostgreSQL refused that validation let through: the request's fault.
-            app.logger.warning("database refused a value: %s", brief_db_error(error))
+            app.logger.warning("database refused a value: %s", db_errors.brief(error))
             return error_body(422, _status_name(422), "a value was refused by the database"), 422
         # ProgrammingError and the like are our bugs: a 500, loudly, not a retry loop.
-        app.logger.error("database error: %s", brief_db_error(error))
+        app.logger.error("database error: %s", db_errors.brief(error))
         return error_body(500, _status_name(500), "internal server error"), 500
 
     app.register_error_handler(db_errors.DomainError, handle_domain)

@@ -7,6 +7,7 @@ import math
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -171,3 +172,27 @@ def test_completions_reported_per_batch_count_each_task() -> None:
     assert sample(task_metrics.task_duration, "task_duration_seconds_sum") == pytest.approx(
         70 * 0.0002 + 0.202
     )
+
+
+def test_a_scrape_passes_over_the_empty_file_of_a_child_still_creating_it(
+    tmp_path: Path,
+) -> None:
+    # A child that has created its metrics file but not sized it yet: reading that file
+    # failed the whole scrape with struct.error (prometheus/client_python#604).
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from worker import metrics
+
+    written = MmapedDict(str(tmp_path / "counter_101.db"))  # type: ignore[no-untyped-call]
+    key = mmap_key("tasks_claimed", "tasks_claimed_total", [], [], "Tasks claimed.")
+    written.write_value(key, 7.0, 0.0)  # type: ignore[no-untyped-call]
+    written.close()  # type: ignore[no-untyped-call]
+    (tmp_path / "counter_102.db").touch()
+
+    class NoMore:
+        def collect(self) -> list[Any]:
+            return []
+
+    body = metrics.render(tmp_path, NoMore()).decode()
+
+    assert "tasks_claimed_total 7.0" in body

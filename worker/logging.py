@@ -14,11 +14,9 @@ when a WARNING or worse (or a record with a traceback) arrives, after everything
 it. A process that dies by SIGKILL loses at most its last `MAX_HOLD_SECONDS` of INFO lines;
 its warnings were already written.
 
-Why: a processing pass logs one line per task, which at first cost a busy child about 15 us
-of CPU per task (a noop task costs about 35 us in all): building the record (its caller's
-file and line included), formatting the time, and one `write` per line. So the block write
-above; the formatters compute the date once per second; and `configure` makes a worker
-process's loggers skip the caller lookup, which neither format shows.
+Why: a pass logs one line per task, a large share of a noop task's CPU (decision 0003). So
+the block write above, a date formatted once per second, and no caller lookup in a worker
+process's loggers (`configure`), which neither format shows.
 """
 
 from __future__ import annotations

@@ -202,11 +202,35 @@ class SupervisorCollector(Collector):
         )
 
 
+class _FilesCollector:
+    """prometheus_client's multiprocess merge of the metrics files in a directory.
+
+    Unlike `MultiProcessCollector`, it passes over empty files: a child that is creating its
+    file has not sized it yet, and reading it then fails the whole scrape with struct.error
+    (prometheus/client_python#604). An empty file holds no values anyway.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+
+    def collect(self) -> Iterable[Metric]:
+        """The merged metrics of every non-empty `*.db` file."""
+        files = [str(path) for path in self._directory.glob("*.db") if _has_content(path)]
+        merged: Iterable[Metric] = MultiProcessCollector.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
+        return merged
+
+
+def _has_content(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except FileNotFoundError:  # its process died and the file was removed meanwhile
+        return False
+
+
 def render(directory: Path, extra: Collector) -> bytes:
     """The Prometheus text of every metrics file in `directory` plus `extra`'s metrics."""
     registry = CollectorRegistry()
-    path = str(directory)
-    MultiProcessCollector(registry, path)  # type: ignore[no-untyped-call]  # untyped library
+    registry.register(_FilesCollector(directory))
     registry.register(extra)
     return _generate_latest(registry)
 
