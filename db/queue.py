@@ -64,6 +64,9 @@ class TaskRecord(NamedTuple):
 # constraints only); a NULL key never conflicts on it. A run_at in the past means "now": it
 # must not jump ahead of work that has been runnable longer (the claim orders by
 # eligible-since); greatest() ignores a NULL run_at.
+# The columns of a `TaskRecord`, in its order.
+_TASK_COLUMNS = ", ".join(TaskRecord._fields)
+
 _INSERT_TASK = """
 WITH created AS (
     INSERT INTO tasks (company_id, type, payload, status, max_attempts, run_after,
@@ -71,42 +74,34 @@ WITH created AS (
     VALUES (%(company_id)s, %(type)s, %(payload)s, 'pending', %(max_attempts)s,
             greatest(CAST(%(run_at)s AS timestamptz), now()), %(key)s, %(request_hash)s)
     ON CONFLICT (company_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id, company_id, type, payload, status, attempts, max_attempts, run_after,
-              idempotency_key, request_hash, last_error, created_at, updated_at, started_at,
-              finished_at
+    RETURNING {columns}
 )
 SELECT created.*,
        -- No channel, no wake-up (a NULL channel would be an error).
        CASE WHEN CAST(%(channel)s AS text) IS NOT NULL
             THEN CAST(pg_notify(CAST(%(channel)s AS text), CAST(company_id AS text)) AS text) END
 FROM created
-"""
+""".replace("{columns}", _TASK_COLUMNS)
 _TASK_BY_KEY = """
-SELECT id, company_id, type, payload, status, attempts, max_attempts, run_after,
-       idempotency_key, request_hash, last_error, created_at, updated_at, started_at,
-       finished_at
+SELECT {columns}
 FROM tasks
 WHERE company_id = %(company_id)s AND idempotency_key = %(key)s
-"""
+""".replace("{columns}", _TASK_COLUMNS)
 _TASK_BY_ID = """
-SELECT id, company_id, type, payload, status, attempts, max_attempts, run_after,
-       idempotency_key, request_hash, last_error, created_at, updated_at, started_at,
-       finished_at
+SELECT {columns}
 FROM tasks
 WHERE id = %(id)s AND company_id = %(company_id)s
-"""
+""".replace("{columns}", _TASK_COLUMNS)
 # Absent filters are NULL parameters: one statement text, so psycopg prepares it once.
 _LIST_TASKS = """
-SELECT id, company_id, type, payload, status, attempts, max_attempts, run_after,
-       idempotency_key, request_hash, last_error, created_at, updated_at, started_at,
-       finished_at
+SELECT {columns}
 FROM tasks
 WHERE company_id = %(company_id)s
   AND (CAST(%(status)s AS text) IS NULL OR status = CAST(%(status)s AS text))
   AND (CAST(%(type)s AS text) IS NULL OR type = CAST(%(type)s AS text))
 ORDER BY created_at DESC, id DESC
 LIMIT %(limit)s OFFSET %(offset)s
-"""
+""".replace("{columns}", _TASK_COLUMNS)
 _FIELDS = len(TaskRecord._fields)
 
 
