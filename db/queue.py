@@ -696,9 +696,30 @@ class ExpiredLease:
     failed: bool
 
 
-_EXPIRE_LEASES = text(
-    """
-WITH expired AS (
+# A lost lease's transition, for `expire_leases` (stale leases) and `expire_leases_of` (dead
+# holders): the CTE `lost` (id, locked_by, used_up) says which rows, `{why}` what happened.
+_TAKE_BACK_LOST_LEASES = """
+UPDATE tasks t
+SET status = CASE WHEN e.used_up THEN 'failed' ELSE 'pending' END,
+    -- Waiting for a worker since its holder was last known alive (lease start or last
+    -- heartbeat): first in its company's line, like a released task.
+    run_after = CASE WHEN e.used_up THEN t.run_after ELSE t.locked_at END,
+    finished_at = CASE WHEN e.used_up THEN now() END,
+    updated_at = now(),
+    last_error = CASE WHEN e.used_up
+        THEN format('worker lost ({why}) after %s attempts (last holder %s)',
+                    t.attempts, coalesce(e.locked_by, 'unknown'))
+        ELSE t.last_error END,
+    lease_token = NULL,
+    locked_by = NULL,
+    locked_at = NULL
+FROM lost e
+WHERE t.id = e.id
+RETURNING t.id, t.company_id, t.type, t.attempts, e.locked_by, e.used_up
+"""
+
+_STALE_LEASES = """
+WITH lost AS (
     -- ix_tasks_processing_locked_at: the range locked_at < now() - stale_after, so live
     -- leases are never read and running it every few seconds is cheap.
     SELECT t.id, t.locked_by, t.attempts >= t.max_attempts AS used_up
@@ -711,25 +732,8 @@ WITH expired AS (
     -- A row someone holds right now is being finalized or heartbeated; leave it to them.
     FOR UPDATE OF t SKIP LOCKED
 )
-UPDATE tasks t
-SET status = CASE WHEN e.used_up THEN 'failed' ELSE 'pending' END,
-    -- Waiting for a worker since its holder was last known alive (lease start or last
-    -- heartbeat): first in its company's line, like a released task.
-    run_after = CASE WHEN e.used_up THEN t.run_after ELSE t.locked_at END,
-    finished_at = CASE WHEN e.used_up THEN now() END,
-    updated_at = now(),
-    last_error = CASE WHEN e.used_up
-        THEN format('worker lost (lease expired) after %s attempts (last holder %s)',
-                    t.attempts, coalesce(e.locked_by, 'unknown'))
-        ELSE t.last_error END,
-    lease_token = NULL,
-    locked_by = NULL,
-    locked_at = NULL
-FROM expired e
-WHERE t.id = e.id
-RETURNING t.id, t.company_id, t.type, t.attempts, e.locked_by, e.used_up
 """
-)
+_EXPIRE_LEASES = text(_STALE_LEASES + _TAKE_BACK_LOST_LEASES.replace("{why}", "lease expired"))
 
 
 def expire_leases(session: Session, *, stale_after: float, limit: int = 1000) -> list[ExpiredLease]:
@@ -744,10 +748,7 @@ def expire_leases(session: Session, *, stale_after: float, limit: int = 1000) ->
     return [ExpiredLease(*row) for row in rows]
 
 
-# The same transition as _EXPIRE_LEASES, for holders known to be dead instead of leases
-# found stale: change one, change both.
-_EXPIRE_LEASES_OF = text(
-    """
+_LEASES_OF_DEAD_HOLDERS = """
 WITH lost AS (
     -- ix_tasks_processing_locked_at: its predicate is implied, so only processing rows are
     -- read (at most every held lease), never the finished ones.
@@ -760,22 +761,9 @@ WITH lost AS (
     -- again on the new version, so a task that holder did complete stays completed.
     FOR UPDATE OF t
 )
-UPDATE tasks t
-SET status = CASE WHEN e.used_up THEN 'failed' ELSE 'pending' END,
-    run_after = CASE WHEN e.used_up THEN t.run_after ELSE t.locked_at END,
-    finished_at = CASE WHEN e.used_up THEN now() END,
-    updated_at = now(),
-    last_error = CASE WHEN e.used_up
-        THEN format('worker lost (its process died) after %s attempts (last holder %s)',
-                    t.attempts, e.locked_by)
-        ELSE t.last_error END,
-    lease_token = NULL,
-    locked_by = NULL,
-    locked_at = NULL
-FROM lost e
-WHERE t.id = e.id
-RETURNING t.id, t.company_id, t.type, t.attempts, e.locked_by, e.used_up
 """
+_EXPIRE_LEASES_OF = text(
+    _LEASES_OF_DEAD_HOLDERS + _TAKE_BACK_LOST_LEASES.replace("{why}", "its process died")
 )
 
 
