@@ -38,6 +38,11 @@ _CONSTRAINT_FIELD: dict[str, tuple[str, str]] = {
         f"Must be greater than or equal to {models.MIN_IN_FLIGHT} "
         f"and less than or equal to {models.MAX_IN_FLIGHT}.",
     ),
+    models.CK_COMPANY_MAX_PENDING: (
+        "max_pending",
+        f"Must be greater than or equal to {models.MIN_PENDING} "
+        f"and less than or equal to {models.MAX_PENDING}.",
+    ),
 }
 
 # status -> (domain error type) for the errors `db` raises on purpose.

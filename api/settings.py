@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from db.models import MAX_PENDING, MIN_PENDING
 from worker.environment import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
@@ -28,6 +29,10 @@ from worker.environment import (
 )
 from worker.tasktypes.base import HandlerConfig
 
+# A new company's max_pending when POST /companies gives none: room for a large backlog, but
+# not for one tenant's runaway producer to fill the database.
+DEFAULT_MAX_PENDING = 1_000_000
+
 
 @dataclass(frozen=True)
 class ApiSettings:
@@ -41,6 +46,8 @@ class ApiSettings:
     `ready_timeout_ms`: statement timeout of the readiness probe and the queue collector;
     `metrics_multiprocess`: `PROMETHEUS_MULTIPROC_DIR` is set (under gunicorn);
     `log_level`, `log_format`: `LOG_LEVEL` and `LOG_FORMAT`, as for the worker;
+    `default_max_pending`: `DEFAULT_MAX_PENDING`, a new company's `max_pending` when its create
+    gives none (None: unlimited, from the value `unlimited`);
     `handler_config`: what the handlers of `POST /workers/process` use, read from the same
     variables as the worker's (`SMTP_URL`, `WEBHOOK_ALLOW_PRIVATE`, ...).
     """
@@ -56,6 +63,7 @@ class ApiSettings:
     metrics_multiprocess: bool = False
     log_level: str = DEFAULT_LOG_LEVEL
     log_format: str = DEFAULT_LOG_FORMAT
+    default_max_pending: int | None = DEFAULT_MAX_PENDING
     handler_config: HandlerConfig = field(default_factory=HandlerConfig)
 
     @classmethod
@@ -81,5 +89,14 @@ class ApiSettings:
             metrics_multiprocess=bool(env.get("PROMETHEUS_MULTIPROC_DIR", "").strip()),
             log_level=log_level,
             log_format=log_format,
+            default_max_pending=_env_default_max_pending(env),
             handler_config=env_handler_config(env),
         )
+
+
+def _env_default_max_pending(env: Mapping[str, str]) -> int | None:
+    if env.get("DEFAULT_MAX_PENDING", "").strip().lower() == "unlimited":
+        return None
+    return env_int(
+        env, "DEFAULT_MAX_PENDING", DEFAULT_MAX_PENDING, minimum=MIN_PENDING, maximum=MAX_PENDING
+    )

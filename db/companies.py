@@ -29,14 +29,22 @@ def create_company(
     api_key_hash: str,
     weight: int = 1,
     max_in_flight: int | None = None,
+    max_pending: int | None = None,
 ) -> Company:
     """Insert a company; `api_key_hash` is the SHA-256 hex digest of its key.
 
-    `weight` and `max_in_flight` (None: unlimited) default to the columns' defaults.
+    `weight`, `max_in_flight` and `max_pending` (None: unlimited) default to the columns'
+    defaults.
     """
     stmt = (
         insert(Company)
-        .values(name=name, api_key_hash=api_key_hash, weight=weight, max_in_flight=max_in_flight)
+        .values(
+            name=name,
+            api_key_hash=api_key_hash,
+            weight=weight,
+            max_in_flight=max_in_flight,
+            max_pending=max_pending,
+        )
         .returning(Company)
     )
     return session.scalars(stmt).one()
@@ -56,21 +64,25 @@ def update_company_limits(
     *,
     weight: int | Unset = UNSET,
     max_in_flight: int | Unset | None = UNSET,
+    max_pending: int | Unset | None = UNSET,
 ) -> Company:
-    """Set the given limits of a company and return it; `max_in_flight=None` is unlimited.
+    """Set the given limits of a company and return it; None is unlimited.
 
     One UPDATE ... RETURNING: no read-then-write race with another change. The bounds are
-    the CHECK constraints `CK_COMPANY_WEIGHT` and `CK_COMPANY_MAX_IN_FLIGHT`; a value outside
-    them raises `IntegrityError`. Raises `errors.NotFound`, and `ValueError` when neither
-    limit is given.
+    the CHECK constraints `CK_COMPANY_WEIGHT`, `CK_COMPANY_MAX_IN_FLIGHT` and
+    `CK_COMPANY_MAX_PENDING`; a value outside them raises `IntegrityError`. A `max_pending`
+    below the current backlog refuses new tasks until it drains; nothing is dropped.
+    Raises `errors.NotFound`, and `ValueError` when no limit is given.
     """
     values: dict[str, Any] = {}
     if not isinstance(weight, Unset):
         values["weight"] = weight
     if not isinstance(max_in_flight, Unset):
         values["max_in_flight"] = max_in_flight
+    if not isinstance(max_pending, Unset):
+        values["max_pending"] = max_pending
     if not values:
-        raise ValueError("update_company_limits needs weight or max_in_flight")
+        raise ValueError("update_company_limits needs weight, max_in_flight or max_pending")
     stmt = (
         update(Company)
         .where(Company.id == company_id)

@@ -58,12 +58,20 @@ CK_TASK_MAX_ATTEMPTS = "ck_tasks_max_attempts_range"
 CK_TASK_PAYLOAD_OBJECT = "ck_tasks_payload_is_object"
 CK_COMPANY_WEIGHT = "ck_companies_weight_range"
 CK_COMPANY_MAX_IN_FLIGHT = "ck_companies_max_in_flight_range"
+CK_COMPANY_MAX_PENDING = "ck_companies_max_pending_range"
+CK_TASK_TIMEOUT_SECONDS = "ck_tasks_timeout_seconds_range"
+# SQLSTATE of a statement that would take a company beyond its backlog quota (migration 0006).
+BACKLOG_QUOTA_SQLSTATE = "FQ429"
 
 MAX_ATTEMPTS_LIMIT = 50
 # A company's share of claimed tasks is proportional to its weight (docs/design.md, Claim).
 MIN_WEIGHT, MAX_WEIGHT = 1, 1000
 # Bounds of max_in_flight, the most `processing` leases a company may hold at once.
 MIN_IN_FLIGHT, MAX_IN_FLIGHT = 1, 100_000
+# Bounds of max_pending, the most unfinished (pending or processing) tasks of a company.
+MIN_PENDING, MAX_PENDING = 1, 10_000_000
+# Bounds of a task's timeout_seconds: how long one attempt may run.
+MIN_TIMEOUT_SECONDS, MAX_TIMEOUT_SECONDS = 1, 86_400
 
 Timestamp = TIMESTAMP(timezone=True)
 
@@ -91,6 +99,11 @@ class Company(Base):
     weight: Mapped[int] = mapped_column(nullable=False, server_default=text("1"))
     # Most `processing` leases at once across every worker; None = unlimited.
     max_in_flight: Mapped[int | None] = mapped_column()
+    # Most unfinished (pending or processing) tasks at once; None = unlimited. Enforced by
+    # the triggers that keep `company_backlogs` (migration 0006).
+    max_pending: Mapped[int | None] = mapped_column()
+    # Its tasks are accepted and kept but never claimed while true.
+    paused: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
 
     __table_args__ = (
         UniqueConstraint("api_key_hash"),
@@ -99,7 +112,26 @@ class Company(Base):
             f"max_in_flight BETWEEN {MIN_IN_FLIGHT} AND {MAX_IN_FLIGHT}",
             name="max_in_flight_range",
         ),
+        CheckConstraint(
+            f"max_pending BETWEEN {MIN_PENDING} AND {MAX_PENDING}", name="max_pending_range"
+        ),
     )
+
+
+class CompanyBacklog(Base):
+    """How many unfinished (pending or processing) tasks a company has: one row per company.
+
+    Derived state, kept by statement-level triggers on `tasks` (migration 0006), which also
+    refuse a statement that would take `unfinished` above `companies.max_pending` with
+    SQLSTATE `BACKLOG_QUOTA_SQLSTATE`. Created by a trigger on `companies`.
+    """
+
+    __tablename__ = "company_backlogs"
+
+    company_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("companies.id", ondelete="CASCADE"), primary_key=True
+    )
+    unfinished: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
 
 
 class CompanyQueue(Base):
@@ -126,6 +158,9 @@ class CompanyQueue(Base):
     # with the ring, without a join (100 primary-key probes a claim).
     weight: Mapped[int] = mapped_column(nullable=False, server_default=text("1"))
     max_in_flight: Mapped[int | None] = mapped_column()
+    # Copy of companies.paused: a paused company is never ready, and the promotion's index
+    # leaves it out (migration 0007).
+    paused: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
 
     __table_args__ = (
         # The ring of ready companies, walked from the claim cursor.
@@ -134,11 +169,12 @@ class CompanyQueue(Base):
             "ring_position",
             postgresql_where=text("ready"),
         ),
-        # Companies waiting for their earliest task to come due (scheduled or backed off).
+        # Companies waiting for their earliest task to come due (scheduled or backed off),
+        # paused ones left out.
         Index(
-            "ix_company_queues_waiting_due_at",
+            "ix_company_queues_waiting_unpaused_due_at",
             "due_at",
-            postgresql_where=text("NOT ready AND due_at IS NOT NULL"),
+            postgresql_where=text("NOT ready AND NOT paused AND due_at IS NOT NULL"),
         ),
     )
 
@@ -197,6 +233,10 @@ class Task(Base):
     )
     started_at: Mapped[dt.datetime | None] = mapped_column(Timestamp)
     finished_at: Mapped[dt.datetime | None] = mapped_column(Timestamp)
+    # What the handler returned (any JSON value, at most 64 KiB serialized), once completed.
+    result: Mapped[Any] = mapped_column(JSONB, nullable=True)
+    # How long one attempt may run; None (tasks older than migration 0006): the type's default.
+    timeout_seconds: Mapped[int | None] = mapped_column()
 
     __table_args__ = (
         CheckConstraint(f"status IN ({_status_values})", name="status"),
@@ -204,6 +244,10 @@ class Task(Base):
             f"max_attempts BETWEEN 1 AND {MAX_ATTEMPTS_LIMIT}", name="max_attempts_range"
         ),
         CheckConstraint("attempts >= 0", name="attempts_non_negative"),
+        CheckConstraint(
+            f"timeout_seconds BETWEEN {MIN_TIMEOUT_SECONDS} AND {MAX_TIMEOUT_SECONDS}",
+            name="timeout_seconds_range",
+        ),
         CheckConstraint("jsonb_typeof(payload) = 'object'", name="payload_is_object"),
         # The claim's per-company candidates (db/queue.py `_CLAIM`), in "eligible since"
         # order (decision 0001): the claim reads the range `run_after <=` its statement's

@@ -48,6 +48,7 @@ class TaskRecord(NamedTuple):
     status: str
     attempts: int
     max_attempts: int
+    timeout_seconds: int | None
     run_after: dt.datetime
     idempotency_key: str | None
     request_hash: str | None
@@ -56,6 +57,7 @@ class TaskRecord(NamedTuple):
     updated_at: dt.datetime
     started_at: dt.datetime | None
     finished_at: dt.datetime | None
+    result: Any
 
 
 # One statement for the insert and the wake-up: the NOTIFY is sent only for a row inserted,
@@ -69,10 +71,11 @@ _TASK_COLUMNS = ", ".join(TaskRecord._fields)
 
 _INSERT_TASK = """
 WITH created AS (
-    INSERT INTO tasks (company_id, type, payload, status, max_attempts, run_after,
-                       idempotency_key, request_hash)
+    INSERT INTO tasks (company_id, type, payload, status, max_attempts, timeout_seconds,
+                       run_after, idempotency_key, request_hash)
     VALUES (%(company_id)s, %(type)s, %(payload)s, 'pending', %(max_attempts)s,
-            greatest(CAST(%(run_at)s AS timestamptz), now()), %(key)s, %(request_hash)s)
+            %(timeout_seconds)s, greatest(CAST(%(run_at)s AS timestamptz), now()), %(key)s,
+            %(request_hash)s)
     ON CONFLICT (company_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING {columns}
 )
@@ -117,6 +120,7 @@ def create_task(
     payload: dict[str, Any],
     run_at: dt.datetime | None = None,
     max_attempts: int = 5,
+    timeout_seconds: int | None = None,
     idempotency_key: str | None = None,
     request_hash: str | None = None,
     notify_channel: str | None = None,
@@ -136,6 +140,7 @@ def create_task(
         "type": type,
         "payload": Jsonb(payload),
         "max_attempts": max_attempts,
+        "timeout_seconds": timeout_seconds,
         "run_at": run_at,
         "key": idempotency_key,
         "request_hash": request_hash,
@@ -362,7 +367,9 @@ promoted AS (
     FROM (
         SELECT w.company_id
         FROM company_queues w
-        WHERE NOT w.ready AND w.due_at IS NOT NULL AND w.due_at <= statement_timestamp()
+        -- Paused companies stay out of the ring (ix_company_queues_waiting_unpaused_due_at).
+        WHERE NOT w.ready AND NOT w.paused AND w.due_at IS NOT NULL
+          AND w.due_at <= statement_timestamp()
         ORDER BY w.due_at
         LIMIT %(promote_limit)s
         FOR UPDATE SKIP LOCKED

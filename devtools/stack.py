@@ -363,7 +363,7 @@ def empty_tables(url: str) -> None:
     engine = script_engine(url)
     try:
         with engine.begin() as conn:
-            conn.execute(text("TRUNCATE tasks, company_queues, companies"))
+            conn.execute(text("TRUNCATE tasks, company_queues, company_backlogs, companies"))
             conn.execute(text("UPDATE claim_cursor SET ring_position = 0, credit = 0"))
     finally:
         engine.dispose()

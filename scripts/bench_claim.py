@@ -674,7 +674,7 @@ def stale_statistics(engine: Engine, args: argparse.Namespace) -> list[str]:
     lines = []
     for companies in (1, 50):
         with engine.begin() as conn:
-            conn.execute(text("TRUNCATE tasks, company_queues, companies"))
+            conn.execute(text("TRUNCATE tasks, company_queues, company_backlogs, companies"))
             conn.execute(text("UPDATE claim_cursor SET ring_position = 0, credit = 0"))
             for table_name in ("tasks", "company_queues"):
                 conn.execute(text(f"ALTER TABLE {table_name} SET (autovacuum_enabled = false)"))

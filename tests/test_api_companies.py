@@ -24,6 +24,10 @@ from db import errors as db_errors
 from tests.conftest import ADMIN_TOKEN, make_test_app
 from tests.factories import MakeCompany, company_limits, json_of
 
+COMPANY_FIELDS = {
+    "id", "name", "created_at", "weight", "max_in_flight", "max_pending", "paused",
+}  # fmt: skip
+
 
 def test_admin_creates_a_company_and_gets_its_api_key_once(
     client: FlaskClient, admin_headers: dict[str, str]
@@ -32,11 +36,13 @@ def test_admin_creates_a_company_and_gets_its_api_key_once(
 
     assert response.status_code == 201
     company = json_of(response)
-    assert set(company) == {"id", "name", "created_at", "weight", "max_in_flight", "api_key"}
+    assert set(company) == COMPANY_FIELDS | {"api_key"}
     uuid.UUID(company["id"])
     assert company["name"] == "Acme"
     assert dt.datetime.fromisoformat(company["created_at"]).tzinfo is not None
     assert len(company["api_key"]) >= 32
+    assert company["max_pending"] == 1_000_000  # DEFAULT_MAX_PENDING's default
+    assert company["paused"] is False
 
 
 def test_the_returned_api_key_authenticates_as_that_company(
@@ -153,7 +159,7 @@ def test_company_key_reads_its_company_without_the_api_key(
 
     assert response.status_code == 200
     body = json_of(response)
-    assert set(body) == {"id", "name", "created_at", "weight", "max_in_flight"}
+    assert set(body) == COMPANY_FIELDS
     assert (body["id"], body["name"]) == (str(company.id), "Acme")
     assert company.api_key not in response.get_data(as_text=True)
 
@@ -376,7 +382,7 @@ def test_admin_patch_sets_the_given_limits_and_keeps_the_other(
 
     assert response.status_code == 200, response.get_data(as_text=True)[:300]
     shown = json_of(response)
-    assert set(shown) == {"id", "name", "created_at", "weight", "max_in_flight"}
+    assert set(shown) == COMPANY_FIELDS
     assert (shown["id"], shown["name"]) == (str(company.id), "target")
     assert (shown["weight"], shown["max_in_flight"]) == expected
     assert company_limits(db_session, company.id) == expected
@@ -475,7 +481,9 @@ def test_patch_without_any_limit_is_422_saying_to_send_one(
     body = json_of(response)
     assert body["code"] == 422
     assert "at least one of: weight, max_in_flight" in body["message"]
-    assert body["errors"]["json"]["_schema"] == ["send at least one of: weight, max_in_flight"]
+    assert body["errors"]["json"]["_schema"] == [
+        "send at least one of: weight, max_in_flight, max_pending"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -624,7 +632,7 @@ def test_patch_without_admin_token_configured_is_503_saying_so(main_db_url: str)
 def test_update_company_limits_is_one_statement_raising_not_found(db_session: Session) -> None:
     with pytest.raises(db_errors.NotFound):
         companies.update_company_limits(db_session, uuid.uuid4(), weight=2)
-    with pytest.raises(ValueError, match="weight or max_in_flight"):
+    with pytest.raises(ValueError, match="weight, max_in_flight or max_pending"):
         companies.update_company_limits(db_session, uuid.uuid4())
 
 
@@ -695,12 +703,14 @@ def test_patch_is_documented_with_every_status_and_described_fields(client: Flas
     assert "company" in responses["401"]["description"]
     schemas = spec["components"]["schemas"]
     limits = schemas["CompanyLimits"]["properties"]
-    assert set(limits) == {"weight", "max_in_flight"}
+    assert set(limits) == {"weight", "max_in_flight", "max_pending"}
     assert (limits["weight"]["minimum"], limits["weight"]["maximum"]) == (1, 1000)
     assert (limits["max_in_flight"]["minimum"], limits["max_in_flight"]["maximum"]) == (1, 100_000)
     assert limits["max_in_flight"]["nullable"] is True
+    assert (limits["max_pending"]["minimum"], limits["max_pending"]["maximum"]) == (1, 10**7)
+    assert limits["max_pending"]["nullable"] is True
     assert limits["weight"].get("nullable") is not True
     for name in ("CompanyLimits", "CompanyCreate", "Company"):
-        for field in ("weight", "max_in_flight"):
+        for field in ("weight", "max_in_flight", "max_pending"):
             assert schemas[name]["properties"][field]["description"], (name, field)
     assert "at least one" in operation["requestBody"]["description"].lower()

@@ -30,6 +30,8 @@ TASK_FIELDS = {
     "status",
     "attempts",
     "max_attempts",
+    "timeout_seconds",
+    "result",
     "run_after",
     "idempotency_key",
     "last_error",
@@ -92,6 +94,8 @@ def test_created_task_has_every_field_of_the_design_with_defaults(
     assert task["status"] == "pending"
     assert task["attempts"] == 0
     assert task["max_attempts"] == 5
+    assert task["timeout_seconds"] == 90  # send_email's own default
+    assert task["result"] is None
     assert task["idempotency_key"] is None
     assert task["last_error"] is None
     assert task["started_at"] is None

@@ -63,7 +63,7 @@ BODIES: dict[str, dict[str, Any]] = {
     "POST": {"type": "noop"},
     "PATCH": {"weight": 7, "max_in_flight": 3},
 }
-COMPANY_FIELDS = {"id", "name", "created_at", "weight", "max_in_flight"}
+COMPANY_FIELDS = {"id", "name", "created_at", "weight", "max_in_flight", "max_pending", "paused"}
 
 
 @dataclass(frozen=True)

@@ -141,12 +141,20 @@ def test_downgrade_base_then_upgrade_head_round_trips(
 
 
 # Migration 0003 keeps `company_queues` true whatever writes `tasks` (db/models.py
-# `CompanyQueue`): these triggers, and the functions they run, are part of the schema.
+# `CompanyQueue`), and 0006 `company_backlogs` (`CompanyBacklog`): these triggers, and the
+# functions they run, are part of the schema.
 FAIR_CLAIM_TRIGGERS = {
     ("companies", "companies_add_queue", "fairq_add_company_queue"),
     ("companies", "companies_copy_limits", "fairq_copy_company_limits"),
     ("tasks", "tasks_pending_inserted", "fairq_note_pending_inserted"),
     ("tasks", "tasks_pending_updated", "fairq_note_pending_updated"),
+}
+BACKLOG_TRIGGERS = {
+    ("companies", "companies_add_backlog", "fairq_add_company_backlog"),
+    ("tasks", "tasks_count_inserted", "fairq_count_inserted"),
+    ("tasks", "tasks_count_updated", "fairq_count_updated"),
+    ("tasks", "tasks_count_deleted", "fairq_count_deleted"),
+    ("tasks", "tasks_count_truncated", "fairq_zero_backlogs"),
 }
 
 TRIGGERS = text(
@@ -164,7 +172,7 @@ def test_the_fair_claim_triggers_exist_and_are_enabled_after_upgrade(
     with migrated_engine.connect() as conn:
         triggers = {tuple(row) for row in conn.execute(TRIGGERS)}
 
-    assert triggers == FAIR_CLAIM_TRIGGERS
+    assert triggers == FAIR_CLAIM_TRIGGERS | BACKLOG_TRIGGERS
 
 
 def test_downgrading_the_fair_claim_removes_its_triggers_functions_and_tables(

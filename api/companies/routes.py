@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from flask import current_app
 from flask.views import MethodView
 
 from api import auth, database
@@ -43,6 +44,9 @@ class Companies(MethodView):
             api_key_hash=auth.hash_api_key(key),
             weight=body["weight"],
             max_in_flight=body["max_in_flight"],
+            max_pending=body.get(
+                "max_pending", current_app.config["FAIRQ_SETTINGS"].default_max_pending
+            ),
         )
         session.commit()
         return {
@@ -51,6 +55,8 @@ class Companies(MethodView):
             "created_at": company.created_at,
             "weight": company.weight,
             "max_in_flight": company.max_in_flight,
+            "max_pending": company.max_pending,
+            "paused": company.paused,
             "api_key": key,
         }
 
@@ -72,7 +78,8 @@ class CompanyById(MethodView):
     @auth.admin_required
     @blp.arguments(
         CompanyLimitsSchema(),
-        description="At least one of weight and max_in_flight; the other keeps its value.",
+        description="At least one of weight, max_in_flight and max_pending; the others keep "
+        "their values.",
     )
     @blp.response(200, CompanySchema)
     @blp.error(400, "Malformed JSON.")
@@ -82,7 +89,7 @@ class CompanyById(MethodView):
     @blp.error(415, "Body is not JSON.")
     @blp.error(503, "ADMIN_TOKEN is not configured.")
     def patch(self, body: dict[str, Any], company_id: uuid.UUID) -> Any:
-        """Set a company's weight and/or max_in_flight (admin only)."""
+        """Set a company's weight, max_in_flight and/or max_pending (admin only)."""
         session = database.session()
         company = companies.update_company_limits(session, company_id, **body)
         session.commit()

@@ -7,7 +7,14 @@ from typing import Any
 from marshmallow import RAISE, Schema, ValidationError, fields, validate, validates_schema
 
 from api import validators
-from db.models import MAX_IN_FLIGHT, MAX_WEIGHT, MIN_IN_FLIGHT, MIN_WEIGHT
+from db.models import (
+    MAX_IN_FLIGHT,
+    MAX_PENDING,
+    MAX_WEIGHT,
+    MIN_IN_FLIGHT,
+    MIN_PENDING,
+    MIN_WEIGHT,
+)
 
 WEIGHT_DESCRIPTION = (
     f"Share of claimed tasks while several companies have runnable work, proportional to "
@@ -17,7 +24,16 @@ MAX_IN_FLIGHT_DESCRIPTION = (
     f"Most tasks of this company processing at once across every worker: an integer "
     f"{MIN_IN_FLIGHT}..{MAX_IN_FLIGHT}, or null for unlimited."
 )
-LIMIT_FIELDS = ("weight", "max_in_flight")
+MAX_PENDING_DESCRIPTION = (
+    f"Most unfinished (pending or processing) tasks of this company at once: an integer "
+    f"{MIN_PENDING}..{MAX_PENDING}, or null for unlimited. A create beyond it is refused "
+    "with 429. Default on create: the server's DEFAULT_MAX_PENDING."
+)
+PAUSED_DESCRIPTION = (
+    "Its tasks are accepted and kept but not started (running ones finish): "
+    "POST /companies/{companyId}/pause and /resume."
+)
+LIMIT_FIELDS = ("weight", "max_in_flight", "max_pending")
 
 
 def weight_field(**kwargs: Any) -> fields.Integer:
@@ -41,6 +57,17 @@ def max_in_flight_field(**kwargs: Any) -> fields.Integer:
     )
 
 
+def max_pending_field(**kwargs: Any) -> fields.Integer:
+    """`max_pending` in a request: a JSON integer in range, or null (unlimited)."""
+    return fields.Integer(
+        strict=True,
+        allow_none=True,
+        validate=validate.Range(min=MIN_PENDING, max=MAX_PENDING),
+        metadata={"description": MAX_PENDING_DESCRIPTION},
+        **kwargs,
+    )
+
+
 class CompanyCreateSchema(Schema):
     """Body of POST /companies."""
 
@@ -58,16 +85,19 @@ class CompanyCreateSchema(Schema):
     )
     weight = weight_field(load_default=1)
     max_in_flight = max_in_flight_field(load_default=None)
+    # Absent: the server's default (api.settings); null: unlimited.
+    max_pending = max_pending_field()
 
 
 class CompanyLimitsSchema(Schema):
-    """Body of PATCH /companies/{companyId}: at least one of the two limits."""
+    """Body of PATCH /companies/{companyId}: at least one of the limits."""
 
     class Meta:
         unknown = RAISE
 
     weight = weight_field()
     max_in_flight = max_in_flight_field()
+    max_pending = max_pending_field()
 
     @validates_schema
     def _at_least_one(self, data: dict[str, Any], **_kwargs: Any) -> None:
@@ -85,6 +115,10 @@ class CompanySchema(Schema):
     max_in_flight = fields.Integer(
         dump_only=True, allow_none=True, metadata={"description": MAX_IN_FLIGHT_DESCRIPTION}
     )
+    max_pending = fields.Integer(
+        dump_only=True, allow_none=True, metadata={"description": MAX_PENDING_DESCRIPTION}
+    )
+    paused = fields.Boolean(dump_only=True, metadata={"description": PAUSED_DESCRIPTION})
 
 
 class CompanyCreatedSchema(CompanySchema):

@@ -35,7 +35,8 @@ def request_hash(body: dict[str, Any]) -> str:
 
     The request fingerprint of the IETF Idempotency-Key draft (section 2.2): computed on the
     loaded body, defaults applied, so key order, whitespace, an omitted default (`payload`,
-    `max_attempts`) or another spelling of the same `run_at` instant are not a different body.
+    `max_attempts`, `timeout_seconds`) or another spelling of the same `run_at` instant are
+    not a different body.
     """
     run_at = body.get("run_at")
     canonical = json.dumps(
@@ -43,6 +44,7 @@ def request_hash(body: dict[str, Any]) -> str:
             "type": body["type"],
             "payload": body["payload"],
             "max_attempts": body["max_attempts"],
+            "timeout_seconds": body["timeout_seconds"],
             "run_at": run_at.astimezone(dt.UTC).isoformat() if run_at is not None else None,
         },
         sort_keys=True,
@@ -93,6 +95,7 @@ class Tasks(MethodView):
             payload=body["payload"],
             run_at=body.get("run_at"),
             max_attempts=body["max_attempts"],
+            timeout_seconds=body["timeout_seconds"],
             idempotency_key=key,
             request_hash=request_hash(body) if key is not None else None,
             notify_channel=current_app.config["FAIRQ_SETTINGS"].notify_channel,

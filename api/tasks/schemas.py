@@ -12,13 +12,14 @@ from marshmallow import (
     Schema,
     ValidationError,
     fields,
+    post_load,
     validate,
     validates,
     validates_schema,
 )
 
 from api import validators
-from db.models import MAX_ATTEMPTS_LIMIT, TaskStatus
+from db.models import MAX_ATTEMPTS_LIMIT, MAX_TIMEOUT_SECONDS, MIN_TIMEOUT_SECONDS, TaskStatus
 from worker import tasktypes
 
 MAX_PAYLOAD_BYTES = 64 * 1024
@@ -104,6 +105,17 @@ class TaskCreateSchema(Schema):
         validate=validate.Range(min=1, max=MAX_ATTEMPTS_LIMIT),
         metadata={"description": f"Attempts before the task fails, 1..{MAX_ATTEMPTS_LIMIT}."},
     )
+    timeout_seconds = fields.Integer(
+        strict=True,
+        validate=validate.Range(min=MIN_TIMEOUT_SECONDS, max=MAX_TIMEOUT_SECONDS),
+        metadata={
+            "description": (
+                f"How long one attempt may run, in seconds, {MIN_TIMEOUT_SECONDS}.."
+                f"{MAX_TIMEOUT_SECONDS}; a longer one is stopped and retried. Default: the "
+                "type's own, how long its work may take plus a margin."
+            )
+        },
+    )
 
     @validates("type")
     def _known_type(self, value: str, **_kwargs: Any) -> None:
@@ -123,6 +135,14 @@ class TaskCreateSchema(Schema):
         errors = _instance_of(task_type.payload_schema).validate(payload)
         if errors:
             raise ValidationError(errors, field_name="payload")
+
+    @post_load
+    def _default_timeout(self, data: dict[str, Any], **_kwargs: Any) -> dict[str, Any]:
+        if data.get("timeout_seconds") is None:
+            task_type = tasktypes.get(data["type"])
+            assert task_type is not None  # validated
+            data["timeout_seconds"] = task_type.default_timeout(data["payload"])
+        return data
 
 
 class IdempotencyHeaderSchema(Schema):
@@ -153,6 +173,11 @@ class TaskSchema(Schema):
     status = fields.String(dump_only=True, metadata={"enum": [s.value for s in TaskStatus]})
     attempts = fields.Integer(dump_only=True)
     max_attempts = fields.Integer(dump_only=True)
+    timeout_seconds = fields.Integer(
+        dump_only=True,
+        allow_none=True,
+        metadata={"description": "How long one attempt may run, in seconds."},
+    )
     run_after = fields.AwareDateTime(dump_only=True)
     idempotency_key = fields.String(dump_only=True, allow_none=True)
     last_error = fields.String(dump_only=True, allow_none=True)
@@ -160,6 +185,11 @@ class TaskSchema(Schema):
     updated_at = fields.AwareDateTime(dump_only=True)
     started_at = fields.AwareDateTime(dump_only=True, allow_none=True)
     finished_at = fields.AwareDateTime(dump_only=True, allow_none=True)
+    result = fields.Raw(
+        dump_only=True,
+        allow_none=True,
+        metadata={"description": "What the handler returned (any JSON value), once completed."},
+    )
 
 
 class TaskListQuerySchema(Schema):

@@ -45,12 +45,24 @@ class TaskContext:
 
 Handler = Callable[[TaskContext], None]
 
+# A task's timeout when its type says nothing more specific, in seconds.
+DEFAULT_TIMEOUT_SECONDS = 60
+
+
+def _default_timeout(_payload: Mapping[str, Any]) -> int:
+    return DEFAULT_TIMEOUT_SECONDS
+
 
 @dataclass(frozen=True)
 class TaskType:
-    """A registered task type: `name` as used in the API, its payload schema and its handler."""
+    """A registered task type: `name` as used in the API, its payload schema and its handler.
+
+    `default_timeout`: the `timeout_seconds` of a task created without one, in whole
+    seconds, from its (validated) payload: how long the type's work may take plus a margin.
+    """
 
     name: str
     description: str
     payload_schema: type[Schema]
     handler: Handler
+    default_timeout: Callable[[Mapping[str, Any]], int] = _default_timeout

@@ -170,4 +170,6 @@ TASK_TYPE = TaskType(
     description="Sends one email over SMTP; the Message-ID is derived from the task id.",
     payload_schema=SendEmailPayload,
     handler=handle,
+    # The call's own total time limit, SMTP_TIMEOUT (default 30 s) and a margin.
+    default_timeout=lambda _payload: 90,
 )

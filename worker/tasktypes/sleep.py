@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from marshmallow import RAISE, Schema, validate
 
@@ -10,6 +13,8 @@ from worker.tasktypes.base import TaskContext, TaskType
 from worker.tasktypes.fields import JsonNumber
 
 MAX_SLEEP_SECONDS = 300
+# Added to the sleep for a task's default timeout: a late start of the handler is no timeout.
+TIMEOUT_MARGIN_SECONDS = 30
 
 
 class SleepPayload(Schema):
@@ -30,9 +35,15 @@ def handle(task: TaskContext) -> None:
     time.sleep(float(task.payload["seconds"]))
 
 
+def default_timeout(payload: Mapping[str, Any]) -> int:
+    """Its sleep rounded up, plus `TIMEOUT_MARGIN_SECONDS`."""
+    return math.ceil(float(payload["seconds"])) + TIMEOUT_MARGIN_SECONDS
+
+
 TASK_TYPE = TaskType(
     name="sleep",
     description="Sleeps for `seconds` (at most 300). Useful to test shutdown and leases.",
     payload_schema=SleepPayload,
     handler=handle,
+    default_timeout=default_timeout,
 )

@@ -360,4 +360,6 @@ TASK_TYPE = TaskType(
     ),
     payload_schema=WebhookPayload,
     handler=handle,
+    # The call's own total time limit, WEBHOOK_TIMEOUT (default 10 s) and a margin.
+    default_timeout=lambda _payload: 60,
 )
