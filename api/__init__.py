@@ -60,7 +60,7 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
         # delays a scrape by about two seconds, not the views' five plus a pool wait.
         database.probe_engine_of(app),
         timeout_ms=settings.ready_timeout_ms,
-        multiprocess=settings.metrics_multiprocess,
+        metrics_dir=settings.metrics_dir,
     )
     return app
 

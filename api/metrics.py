@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from flask import Flask, Request
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_flask_exporter import PrometheusMetrics
 from sqlalchemy import Engine
@@ -23,7 +23,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from db import statistics
 from worker import tasktypes
-from worker.metrics import TaskMetrics
+from worker.metrics import FilesCollector, TaskMetrics
 
 log = logging.getLogger("fairq.api.metrics")
 
@@ -119,9 +119,11 @@ class QueueCollector(Collector):
 class _Metrics(PrometheusMetrics):  # type: ignore[misc]  # untyped library
     """The exporter with our queue collector added to every scrape."""
 
-    def __init__(self, app: Flask, queue: QueueCollector, multiprocess: bool, **kw: Any) -> None:
+    def __init__(
+        self, app: Flask, queue: QueueCollector, metrics_dir: Path | None, **kw: Any
+    ) -> None:
         self._queue = queue
-        self._multiprocess = multiprocess
+        self._metrics_dir = metrics_dir
         super().__init__(app, **kw)
 
     def generate_metrics(
@@ -131,8 +133,10 @@ class _Metrics(PrometheusMetrics):  # type: ignore[misc]  # untyped library
         from prometheus_client.exposition import choose_encoder  # noqa: PLC0415
 
         registry = CollectorRegistry(auto_describe=False)
-        if self._multiprocess:
-            MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        if self._metrics_dir is not None:
+            # Not MultiProcessCollector: a gunicorn worker creating its file has not sized it
+            # yet, and reading it then fails the whole scrape (FilesCollector passes over it).
+            registry.register(FilesCollector(self._metrics_dir))
         else:
             registry.register(_Forward(self.registry))
         registry.register(self._queue)
@@ -151,11 +155,12 @@ class _Forward(Collector):
         yield from self._source.collect()
 
 
-def init_app(app: Flask, engine: Engine, *, timeout_ms: int, multiprocess: bool) -> None:
+def init_app(app: Flask, engine: Engine, *, timeout_ms: int, metrics_dir: Path | None) -> None:
     """Instrument `app` and serve `/metrics` on it.
 
-    `multiprocess`: `PROMETHEUS_MULTIPROC_DIR` is set (gunicorn), so scrapes aggregate the
-    metric files of every worker process instead of this process's registry.
+    `metrics_dir`: `PROMETHEUS_MULTIPROC_DIR` (gunicorn), so scrapes aggregate the metric
+    files of every worker process there instead of this process's registry; None: this
+    process's registry.
     """
     # A registry of our own even in multiprocess mode: values go to the files either way,
     # and a second app in one process must not collide in the global registry.
@@ -163,7 +168,7 @@ def init_app(app: Flask, engine: Engine, *, timeout_ms: int, multiprocess: bool)
     metrics = _Metrics(
         app,
         QueueCollector(engine, timeout_ms),
-        multiprocess,
+        metrics_dir,
         path="/metrics",
         # Route templates, never raw paths: a path label would grow with every task id.
         group_by=url_rule,

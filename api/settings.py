@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from db.models import MAX_PENDING, MIN_PENDING
 from worker.environment import (
@@ -44,7 +45,8 @@ class ApiSettings:
     `admin_token`: bearer token for admin endpoints, or None (they then answer 503);
     `notify_channel`: PostgreSQL channel woken on task creation (shared with the worker);
     `ready_timeout_ms`: statement timeout of the readiness probe and the queue collector;
-    `metrics_multiprocess`: `PROMETHEUS_MULTIPROC_DIR` is set (under gunicorn);
+    `metrics_dir`: `PROMETHEUS_MULTIPROC_DIR`, where every gunicorn worker writes its metrics
+    files, or None outside gunicorn (one process, its own registry);
     `log_level`, `log_format`: `LOG_LEVEL` and `LOG_FORMAT`, as for the worker;
     `default_max_pending`: `DEFAULT_MAX_PENDING`, a new company's `max_pending` when its create
     gives none (None: unlimited, from the value `unlimited`);
@@ -60,7 +62,7 @@ class ApiSettings:
     ready_timeout_ms: int = 1000
     max_body_bytes: int = 1024 * 1024
     stale_after_seconds: float = DEFAULT_STALE_AFTER_SECONDS
-    metrics_multiprocess: bool = False
+    metrics_dir: Path | None = None
     log_level: str = DEFAULT_LOG_LEVEL
     log_format: str = DEFAULT_LOG_FORMAT
     default_max_pending: int | None = DEFAULT_MAX_PENDING
@@ -78,6 +80,7 @@ class ApiSettings:
         if token is not None and len(token) < 16:
             raise SettingsError("ADMIN_TOKEN must be at least 16 characters long")
         log_level, log_format = env_logging(env)
+        metrics_dir = env.get("PROMETHEUS_MULTIPROC_DIR", "").strip()
         return cls(
             database_url=env_url(env),
             database_pool_mode=env_pool_mode(env),
@@ -86,7 +89,7 @@ class ApiSettings:
             admin_token=token,
             notify_channel=env_notify_channel(env),
             stale_after_seconds=env_stale_after(env),
-            metrics_multiprocess=bool(env.get("PROMETHEUS_MULTIPROC_DIR", "").strip()),
+            metrics_dir=Path(metrics_dir) if metrics_dir else None,
             log_level=log_level,
             log_format=log_format,
             default_max_pending=_env_default_max_pending(env),

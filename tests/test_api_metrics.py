@@ -131,3 +131,24 @@ def test_under_gunicorn_every_worker_process_counts_its_passes_in_the_shared_met
     ]
     assert unmatched, sorted(samples)
     assert not [name for name in samples if 'url_rule="None"' in name]
+
+
+def test_a_scrape_under_gunicorn_passes_over_the_empty_file_of_a_worker_creating_it(
+    tmp_path: Path, fresh_db_url: str
+) -> None:
+    # A gunicorn worker that has created its metrics file but not sized it yet: reading that
+    # file failed the whole scrape with struct.error (prometheus/client_python#604).
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    written = MmapedDict(str(tmp_path / "counter_201.db"))  # type: ignore[no-untyped-call]
+    key = mmap_key("tasks_claimed", "tasks_claimed_total", [], [], "Tasks claimed.")
+    written.write_value(key, 7.0, 0.0)  # type: ignore[no-untyped-call]
+    written.close()  # type: ignore[no-untyped-call]
+    (tmp_path / "counter_202.db").touch()
+    app = make_test_app(fresh_db_url, metrics_dir=tmp_path)
+    try:
+        samples = scrape(app.test_client())
+    finally:
+        database.engine_of(app).dispose()
+
+    assert value(samples, "tasks_claimed_total") == 7.0

@@ -319,7 +319,7 @@ def test_compose_environment_is_accepted_by_the_settings_parsers(
     )
     assert api.database_url == worker.database_url == migrate_env["DATABASE_URL"] == expected_url
     assert api.admin_token, "the default ADMIN_TOKEN must be long enough for the API to start"
-    assert api.metrics_multiprocess
+    assert api.metrics_dir is not None
     assert f"{worker.metrics_port}:{worker.metrics_port}" in services["worker"]["ports"]
     assert worker.handler_config.smtp_url == "smtp://mailpit:1025"
 

@@ -202,7 +202,7 @@ class SupervisorCollector(Collector):
         )
 
 
-class _FilesCollector:
+class FilesCollector:
     """prometheus_client's multiprocess merge of the metrics files in a directory.
 
     Unlike `MultiProcessCollector`, it passes over empty files: a child that is creating its
@@ -230,7 +230,7 @@ def _has_content(path: Path) -> bool:
 def render(directory: Path, extra: Collector) -> bytes:
     """The Prometheus text of every metrics file in `directory` plus `extra`'s metrics."""
     registry = CollectorRegistry()
-    registry.register(_FilesCollector(directory))
+    registry.register(FilesCollector(directory))
     registry.register(extra)
     return _generate_latest(registry)
 
