@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flask import Flask
 
-from api import auth, database, errors, metrics
+from api import auth, dashboard, database, errors, metrics
 from api import logging as api_logging
 from api.settings import ApiSettings
 
@@ -17,6 +17,7 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     Raises `worker.environment.SettingsError` naming the variable when the environment is invalid.
     """
     from api.companies.routes import blp as companies_blp  # noqa: PLC0415
+    from api.stats.routes import blp as stats_blp  # noqa: PLC0415
     from api.system.routes import blp as system_blp  # noqa: PLC0415
     from api.tasks.routes import blp as tasks_blp  # noqa: PLC0415
     from api.workers.routes import blp as workers_blp  # noqa: PLC0415
@@ -51,9 +52,11 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     auth.init_app(app)
     api = errors.FairqApi(app)
     errors.register(app)
-    for blp in (system_blp, companies_blp, tasks_blp, workers_blp):
+    for blp in (system_blp, companies_blp, tasks_blp, stats_blp, workers_blp):
         api.register_blueprint(blp)
     _serve_swagger_assets(app)
+    # HTML pages under /dashboard, outside the OpenAPI document (api/dashboard).
+    dashboard.init_app(app, settings)
     metrics.init_app(
         app,
         # The probe engine: unpooled with a short connect timeout, so a hung database

@@ -5,9 +5,10 @@ Every error response has the shape `{"code", "status", "message", "errors"?}` (d
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from flask import Flask, current_app
+from flask import Flask, request
 from flask_smorest import Api
 from marshmallow import Schema, fields
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError
@@ -52,6 +53,16 @@ _DOMAIN_STATUS: tuple[tuple[type[db_errors.DomainError], int], ...] = (
     (db_errors.IdempotencyKeyReused, 422),
 )
 
+# Retry-After of a 429 for the backlog quota, in seconds. Room comes back only as the
+# company's tasks finish, at its workers' pace: seconds, not milliseconds. A refused create
+# still costs the database its rows (inserted, then rolled back by the quota's trigger), so
+# producers told to come back at once would load it most exactly when it is behind. 5 s
+# frees hundreds to thousands of slots at common drain rates and bounds a blocked producer's
+# attempts to one per client every 5 s (the 503 of an outage says 1 s: that one is short).
+BACKLOG_RETRY_AFTER_SECONDS = 5
+# The quota trigger's DETAIL (migration 0006); `unfinished` is the count before the statement.
+_BACKLOG_DETAIL = re.compile(r"max_pending=(\d+) unfinished=(\d+) adding=(\d+)")
+
 
 class ErrorSchema(Schema):
     """The body of every error response (design §3); `Error` in the OpenAPI document."""
@@ -91,7 +102,8 @@ class FairqApi(Api):  # type: ignore[misc]  # flask-smorest ships no type hints
                 headers.setdefault(name, value)
         if "message" not in payload and code == 413:
             # werkzeug's own 413 (Content-Length over the limit) says nothing about the limit.
-            limit = current_app.config["MAX_CONTENT_LENGTH"]
+            # The request's own: a route may set a larger one (the task batch).
+            limit = request.max_content_length
             payload["message"] = f"the request body must be at most {limit} bytes"
         if "message" not in payload and isinstance(payload.get("errors"), dict):
             # webargs' 422 carries only `errors`; say which fields in the message too.
@@ -139,6 +151,36 @@ def _status_name(code: int) -> str:
     return HTTPStatus(code).phrase
 
 
+def backlog_quota_answer(detail: str | None) -> tuple[dict[str, Any], int, dict[str, str]]:
+    """The answer to a write the backlog quota refused (SQLSTATE `FQ429`), from its DETAIL.
+
+    429 with `Retry-After: BACKLOG_RETRY_AFTER_SECONDS` and a message giving the quota, the
+    backlog and what the request would have added; 422 instead when the request alone adds
+    more than the quota (a batch larger than `max_pending`): retrying it can never succeed.
+    Nothing of the refused statement was stored either way.
+    """
+    found = _BACKLOG_DETAIL.search(detail or "")
+    if found is None:
+        # Only the trigger of migration 0006 raises FQ429, always with a DETAIL: a fallback.
+        body = error_body(429, _status_name(429), "backlog quota exceeded: retry later")
+        return body, 429, {"Retry-After": str(BACKLOG_RETRY_AFTER_SECONDS)}
+    max_pending, unfinished, adding = (int(value) for value in found.groups())
+    if adding > max_pending:
+        message = (
+            f"backlog quota exceeded: this request adds {adding} tasks, more than the "
+            f"company's max_pending of {max_pending}; it can never fit, send at most "
+            f"{max_pending} at a time"
+        )
+        return error_body(422, _status_name(422), message), 422, {}
+    message = (
+        f"backlog quota exceeded: {unfinished} unfinished tasks (pending or processing) of at "
+        f"most {max_pending} (max_pending), and this request adds {adding}; retry when tasks "
+        "have finished"
+    )
+    body = error_body(429, _status_name(429), message)
+    return body, 429, {"Retry-After": str(BACKLOG_RETRY_AFTER_SECONDS)}
+
+
 def register(app: Flask) -> None:
     """Register handlers for domain errors and for driver errors that escape a view."""
 
@@ -166,6 +208,11 @@ def register(app: Flask) -> None:
     def handle_dbapi(
         error: DBAPIError,
     ) -> tuple[dict[str, Any], int] | tuple[dict[str, Any], int, dict[str, str]]:
+        if getattr(error.orig, "sqlstate", None) == models.BACKLOG_QUOTA_SQLSTATE:
+            # Before the OperationalError case: psycopg classes an unknown SQLSTATE class
+            # ("FQ") as OperationalError, but this is the client's quota, not an outage.
+            diag = getattr(error.orig, "diag", None)
+            return backlog_quota_answer(getattr(diag, "message_detail", None))
         if isinstance(error, OperationalError | InterfaceError):
             # Connection lost, server restarting, timeouts: the client may simply retry.
             app.logger.error("database unavailable: %s", db_errors.brief(error))

@@ -6,10 +6,10 @@ import enum
 import uuid
 from typing import Any
 
-from sqlalchemy import insert, update
+from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.orm import Session
 
-from db import errors
+from db import errors, queue
 from db.models import Company
 
 
@@ -95,6 +95,95 @@ def update_company_limits(
     if company is None:
         raise errors.NotFound("company not found")
     return company
+
+
+def _set_paused(session: Session, company_id: uuid.UUID, paused: bool) -> Company:
+    # The trigger of migration 0006 copies `paused` to company_queues; pausing also takes the
+    # company out of the ring (`ready = false`), and the claim's promotion passes it over.
+    stmt = (
+        update(Company)
+        .where(Company.id == company_id)
+        .values(paused=paused)
+        .returning(Company)
+        # An instance already in the session (e.g. loaded to authenticate) gets the new value.
+        .execution_options(synchronize_session=False, populate_existing=True)
+    )
+    company = session.scalars(stmt).one_or_none()
+    if company is None:
+        raise errors.NotFound("company not found")
+    return company
+
+
+# The company's wake-up lock in shared mode, as the triggers that make a task pending take it
+# (migration 0003; the claimer's `queue._TRY_WAKE_LOCKS` spells the same bucket).
+_TAKE_WAKE_LOCK_SHARED = text(
+    "SELECT pg_advisory_xact_lock_shared(CAST(:namespace AS int), "
+    "hashtext(CAST(CAST(:company_id AS uuid) AS text)) & (CAST(:buckets AS int) - 1))"
+)
+# The claimers' lock: granted once the claim in flight (and any queued before us) commits.
+_WAIT_FOR_CLAIMERS = text("SELECT pg_advisory_xact_lock(CAST(:key AS bigint))")
+
+
+def pause_company(session: Session, company_id: uuid.UUID) -> Company:
+    """Stop the claim from taking the company's tasks; return the company (`paused` true).
+
+    Its tasks are still accepted and kept; tasks already `processing` finish, retry or
+    expire as usual and then wait. Idempotent. Commit right after: until then every claimer
+    of the cluster waits. Raises `errors.NotFound`, and `RuntimeError` on a session in
+    autocommit (the statements below must commit together).
+
+    Once the caller's commit returns, no claim takes the company's tasks. A claim reads the
+    ring in one statement and claims in the next, both under the claimers' advisory lock
+    (`queue.CLAIM_LOCK_KEY`), so the pause takes that lock before it commits: a claim in
+    flight has then committed first, and every later one reads the ring after the pause.
+    Three statements, in this order:
+
+    1. the company's wake-up lock in shared mode, as a writer takes it (migration 0003): a
+       claim in flight that finds the company short then leaves its row alone (its
+       try-lock fails) rather than wait for the pause's row lock while the pause waits for
+       it (a deadlock), or settle the paused company back into the ring;
+    2. the UPDATE, whose trigger takes the company out of the ring;
+    3. the claimers' lock, last: claims never queue behind a pause that is itself waiting
+       for a row lock (a transaction still open that wrote the company's rows).
+    """
+    _require_transaction(session, "pause_company")
+    session.execute(
+        _TAKE_WAKE_LOCK_SHARED,
+        {
+            "namespace": queue.WAKE_LOCK_NAMESPACE,
+            "company_id": company_id,
+            "buckets": queue.WAKE_LOCK_BUCKETS,
+        },
+    )
+    company = _set_paused(session, company_id, True)
+    session.execute(_WAIT_FOR_CLAIMERS, {"key": queue.CLAIM_LOCK_KEY})
+    return company
+
+
+def resume_company(
+    session: Session, company_id: uuid.UUID, *, notify_channel: str | None = None
+) -> Company:
+    """Let the claim take the company's tasks again; return the company (`paused` false).
+
+    Idempotent. Its runnable tasks are claimed in their usual order ("eligible since"), the
+    company joining the ring at its end like any company whose work came due, with no credit
+    kept from before the pause: the claim's promotion finds it through `due_at`, which the
+    triggers kept a lower bound of its earliest pending `run_after` while it was paused.
+    `NOTIFY notify_channel` (payload: the company id) wakes idle workers when the caller
+    commits, as a create does. Raises `errors.NotFound`.
+    """
+    company = _set_paused(session, company_id, False)
+    if notify_channel:
+        session.execute(select(func.pg_notify(notify_channel, str(company_id))))
+    return company
+
+
+def _require_transaction(session: Session, what: str) -> None:
+    driver = session.connection().connection.driver_connection
+    if getattr(driver, "autocommit", False):
+        # Each statement would commit on its own: the locks would end before the commit
+        # they must cover.
+        raise RuntimeError(f"{what} needs a transaction; the connection is in autocommit")
 
 
 _COMPANY_ID_BY_KEY_HASH = "SELECT id FROM companies WHERE api_key_hash = %(hash)s"

@@ -179,6 +179,177 @@ def _existing_for_key(
     return None if row is None else _record(row)
 
 
+class NewTask(NamedTuple):
+    """One task for `create_tasks`: what a create sets, as `create_task` takes it."""
+
+    type: str
+    payload: dict[str, Any]
+    run_at: dt.datetime | None
+    max_attempts: int
+    timeout_seconds: int | None
+    idempotency_key: str | None
+    request_hash: str | None
+
+
+# The batch's one statement: rows from parallel arrays zipped by ROWS FROM (one parameter per
+# column whatever the count; the payloads as one JSON array, which psycopg dumps several times
+# faster than a jsonb[]), `_INSERT_TASK`'s insert and conflict rule, and one NOTIFY if a row
+# was inserted. Then, per item: the row it inserted (created), or the row that already held
+# its key in the statement's snapshot (a replay), with the item's number (`n`, from 1). An
+# item in neither lost its key to a create that committed after the snapshot began;
+# `create_tasks` sends it again. Parameters go in binary (`%(...)b`).
+# Ids are random but handed out in ascending order: the claim breaks ties in run_after by id,
+# so a batch created at one now() runs in request order, and lists like single creates.
+_INSERT_TASKS = """
+WITH items AS MATERIALIZED (
+    SELECT i.n, ids.id, i.type, i.payload, i.run_at, i.max_attempts, i.timeout_seconds,
+           i.key, i.request_hash
+    FROM ROWS FROM (unnest(CAST(%(types)b AS text[])),
+                    jsonb_array_elements(CAST(%(payloads)b AS jsonb)),
+                    unnest(CAST(%(run_ats)b AS timestamptz[])),
+                    unnest(CAST(%(max_attempts)b AS int[])),
+                    unnest(CAST(%(timeouts)b AS int[])),
+                    unnest(CAST(%(keys)b AS text[])),
+                    unnest(CAST(%(request_hashes)b AS text[])))
+         WITH ORDINALITY
+         AS i(type, payload, run_at, max_attempts, timeout_seconds, key, request_hash, n)
+    JOIN (SELECT row_number() OVER (ORDER BY g.id) AS n, g.id
+          FROM (SELECT gen_random_uuid() AS id
+                FROM generate_series(1, cardinality(CAST(%(types)b AS text[])))) g) ids
+      ON ids.n = i.n
+),
+created AS (
+    INSERT INTO tasks (id, company_id, type, payload, status, max_attempts, timeout_seconds,
+                       run_after, idempotency_key, request_hash)
+    SELECT i.id, %(company_id)b, i.type, i.payload, 'pending', i.max_attempts,
+           i.timeout_seconds, greatest(i.run_at, now()), i.key, i.request_hash
+    FROM items i
+    -- Keys in one order for every batch: two batches sharing keys wait on each other's
+    -- rows in the unique index one way only, never in a cycle (a deadlock).
+    ORDER BY i.key, i.n
+    ON CONFLICT (company_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING {columns}
+),
+existing AS (
+    -- Items whose key was taken: the row that holds it, as the statement's snapshot shows it
+    -- (committed before the statement began). One probe of the unique index per such item,
+    -- none when every row went in: LIMIT 1 keeps the subquery a probe per item whatever
+    -- the statistics say (a burst of keyed inserts that ANALYZE has not seen made a merge
+    -- join read all of the company's keyed rows).
+    SELECT i.n, e.*
+    FROM items i
+    CROSS JOIN LATERAL (
+        SELECT {columns_of_t}
+        FROM tasks t
+        WHERE t.company_id = %(company_id)b AND t.idempotency_key = i.key
+        LIMIT 1
+    ) e
+    WHERE i.key IS NOT NULL AND NOT EXISTS (SELECT FROM created c WHERE c.id = i.id)
+),
+woken AS MATERIALIZED (
+    -- Read once, by the join below, and only when a row was inserted: one NOTIFY.
+    SELECT pg_notify(CAST(%(channel)b AS text), CAST(%(company_id)b AS text))
+    WHERE CAST(%(channel)b AS text) IS NOT NULL AND EXISTS (SELECT FROM created)
+)
+SELECT i.n, true AS created, c.*
+FROM created c
+JOIN items i ON i.id = c.id
+LEFT JOIN woken ON true
+UNION ALL
+SELECT e.n, false AS created, {columns}
+FROM existing e
+""".replace("{columns}", _TASK_COLUMNS).replace(
+    "{columns_of_t}", ", ".join(f"t.{name}" for name in TaskRecord._fields)
+)
+
+
+def create_tasks(
+    session: Session,
+    *,
+    company_id: uuid.UUID,
+    tasks: Sequence[NewTask],
+    notify_channel: str | None = None,
+) -> list[tuple[TaskRecord, bool]]:
+    """Insert pending tasks in one statement and wake idle workers once; `(task, created)` each.
+
+    In the order of `tasks`, and as if each had been created alone with `create_task`, in
+    that order: an item whose `idempotency_key` is already taken returns the task holding it
+    with `created=False`, and so does a later item repeating an earlier one's key (the same
+    task). A key whose task was made from another `request_hash` raises
+    `errors.IdempotencyKeyReused` naming the item (`tasks[i]`, 0-based), so does a key
+    repeated with another hash (raised before any SQL).
+
+    One statement per batch, whatever its size (`_INSERT_TASKS`); a second only for keys that
+    a concurrent create committed meanwhile (at most `_CREATE_ATTEMPTS` in all, then
+    `errors.Conflict`). Sent to psycopg directly, in binary both ways, like the claim: on a
+    thousand tasks the text forms cost more than the insert. Needs a transaction (a
+    `RuntimeError` in autocommit): the batch is all or nothing only if the caller rolls it
+    back on an error, as rows inserted before a raise stay in it. The backlog quota's
+    trigger refuses the statement whole (SQLSTATE `models.BACKLOG_QUOTA_SQLSTATE`) when its
+    inserts do not fit.
+    """
+    first_with_key: dict[str, int] = {}
+    repeats: dict[int, int] = {}
+    for index, task in enumerate(tasks):
+        if task.idempotency_key is None:
+            continue
+        first = first_with_key.setdefault(task.idempotency_key, index)
+        if first != index:
+            if tasks[first].request_hash != task.request_hash:
+                raise errors.IdempotencyKeyReused(
+                    f"tasks[{index}] repeats the Idempotency-Key of tasks[{first}] "
+                    "with a different request body"
+                )
+            repeats[index] = first
+    found: dict[int, tuple[TaskRecord, bool]] = {}
+    todo = [index for index in range(len(tasks)) if index not in repeats]
+    with _driver_errors("create_tasks"):
+        driver = _driver(session, transaction=False)
+        if driver.autocommit:
+            raise RuntimeError("create_tasks needs a transaction: a batch is all or nothing")
+        for _ in range(_CREATE_ATTEMPTS):
+            for row in _insert_tasks(driver, company_id, [tasks[i] for i in todo], notify_channel):
+                index = todo[row[0] - 1]  # n counts the items sent, from 1
+                record, created = TaskRecord._make(row[2 : 2 + _FIELDS]), bool(row[1])
+                if not created and record.request_hash != tasks[index].request_hash:
+                    raise errors.IdempotencyKeyReused(
+                        f"tasks[{index}]: this Idempotency-Key was already used with a "
+                        "different request body"
+                    )
+                found[index] = (record, created)
+            todo = [index for index in todo if index not in found]
+            if not todo:
+                break
+        else:
+            raise errors.Conflict("an Idempotency-Key is in flux (created and deleted); retry")
+    for index, first in repeats.items():
+        found[index] = (found[first][0], False)
+    return [found[index] for index in range(len(tasks))]
+
+
+def _insert_tasks(
+    driver: psycopg.Connection[Any],
+    company_id: uuid.UUID,
+    tasks: Sequence[NewTask],
+    notify_channel: str | None,
+) -> list[tuple[Any, ...]]:
+    # prepare=False: planned with the arrays' real lengths each time. A generic plan (psycopg
+    # prepares a statement run 5 times) could join two CTEs of a thousand rows in a nested loop.
+    params = {
+        "company_id": company_id,
+        "types": [task.type for task in tasks],
+        "payloads": Jsonb([task.payload for task in tasks]),
+        "run_ats": [task.run_at for task in tasks],
+        "max_attempts": [task.max_attempts for task in tasks],
+        "timeouts": [task.timeout_seconds for task in tasks],
+        "keys": [task.idempotency_key for task in tasks],
+        "request_hashes": [task.request_hash for task in tasks],
+        "channel": notify_channel or None,
+    }
+    cursor = driver.cursor(binary=True)
+    return cursor.execute(_INSERT_TASKS, params, prepare=False).fetchall()
+
+
 def get_task(session: Session, company_id: uuid.UUID, task_id: uuid.UUID) -> TaskRecord:
     """The company's task. Raises `errors.NotFound` if absent or owned by another company."""
     row = (
@@ -319,6 +490,9 @@ class ClaimedTask(NamedTuple):
     max_attempts: int
     lease_token: uuid.UUID
     created_at: dt.datetime
+    # How long this attempt may run, in seconds; None on rows older than migration 0006
+    # (the pass uses the type's default, `TaskType.default_timeout`).
+    timeout_seconds: int | None
 
     @property
     def lease(self) -> Lease:
@@ -383,9 +557,12 @@ ring AS (
     -- is an index range in order, and the Append reads them one after the other only as
     -- far as the LIMIT needs (a sort on lap would read the whole ring; `_contenders` puts
     -- the rows in (lap, ring_position) order itself).
+    -- NOT paused: pause_company takes a company out of the ring, but a claimer of an older
+    -- release may promote it, and a pause by plain UPDATE may be undone by a settle; its
+    -- tasks are still never claimed (one more filter on rows read anyway).
     (SELECT r.company_id, r.ring_position, 1 AS lap, r.weight, r.max_in_flight
      FROM company_queues r
-     WHERE r.ready AND r.ring_position >= (SELECT start FROM cursor)
+     WHERE r.ready AND NOT r.paused AND r.ring_position >= (SELECT start FROM cursor)
      ORDER BY r.ring_position)
     UNION ALL
     (SELECT p.company_id, p.ring_position, 2 AS lap, p.weight, p.max_in_flight
@@ -394,7 +571,7 @@ ring AS (
     UNION ALL
     (SELECT r.company_id, r.ring_position, 3 AS lap, r.weight, r.max_in_flight
      FROM company_queues r
-     WHERE r.ready AND r.ring_position < (SELECT start FROM cursor)
+     WHERE r.ready AND NOT r.paused AND r.ring_position < (SELECT start FROM cursor)
      ORDER BY r.ring_position)
 )
 SELECT s.company_id, s.ring_position, s.lap, s.weight, h.headroom,
@@ -473,14 +650,17 @@ claimed AS (
     FROM locked l
     WHERE t.id = l.id
     RETURNING t.id, t.company_id, t.type, t.payload, t.attempts, t.max_attempts,
-              t.lease_token, t.created_at, l.turn, l.first_turn, l.weight, l.run_after
+              t.lease_token, t.created_at, t.timeout_seconds,
+              l.turn, l.first_turn, l.weight, l.run_after
 ),
 moved AS (
     UPDATE claim_cursor SET ring_position = %(cursor_position)s, credit = %(cursor_credit)s
 )
 -- UPDATE ... RETURNING has no order; hand the batch out in the order round robin serves it:
 -- by round (its first turn, then a company's weight of tasks per round), then turn.
-SELECT id, company_id, type, payload, attempts, max_attempts, lease_token, created_at
+-- The columns of a `ClaimedTask`, in its order.
+SELECT id, company_id, type, payload, attempts, max_attempts, lease_token, created_at,
+       timeout_seconds
 FROM (
     SELECT c.*, row_number() OVER (PARTITION BY company_id ORDER BY run_after, id) AS rank
     FROM claimed c
@@ -508,7 +688,8 @@ _SETTLE = (
     """
 UPDATE company_queues q
 SET due_at = d.due_at,
-    ready = coalesce(d.due_at <= statement_timestamp(), false)
+    -- A company paused by plain SQL while this claim ran stays out of the ring.
+    ready = coalesce(d.due_at <= statement_timestamp(), false) AND NOT q.paused
 FROM unnest(CAST(%(company_ids)b AS uuid[])) AS u(company_id)
 LEFT JOIN LATERAL (
     -- The earliest pending run_after, read from the head of the company's pending range:
@@ -844,19 +1025,45 @@ FROM unnest(CAST(%(ids)b AS uuid[]), CAST(%(tokens)b AS uuid[])) AS held(id, tok
 WHERE t.id = held.id AND t.status = 'processing' AND t.lease_token = held.token
 RETURNING t.id
 """
+# The same with each task's result, JSON text parsed by the server (NULL: none). A statement
+# of its own, so a batch without results (noop, most handlers) sends and plans nothing more.
+_COMPLETE_WITH_RESULTS = """
+UPDATE tasks t
+SET status = 'completed', finished_at = now(), updated_at = now(), last_error = NULL,
+    lease_token = NULL, locked_by = NULL, locked_at = NULL,
+    result = CAST(held.result AS jsonb)
+FROM unnest(CAST(%(ids)b AS uuid[]), CAST(%(tokens)b AS uuid[]), CAST(%(results)b AS text[]))
+     AS held(id, token, result)
+WHERE t.id = held.id AND t.status = 'processing' AND t.lease_token = held.token
+RETURNING t.id
+"""
 
 
-def complete_tasks(session: Session, leases: Sequence[Lease]) -> set[uuid.UUID]:
+def complete_tasks(
+    session: Session, leases: Sequence[Lease], results: Sequence[str | None] | None = None
+) -> set[uuid.UUID]:
     """Mark these held tasks `completed` in one statement; return the ids that matched.
 
-    Ids missing from the result lost their lease and were left unchanged. Sent to psycopg
-    directly, with binary arrays, like the claim: it is a worker's other statement per batch.
+    `results`, if given, pairs with `leases`: the JSON text stored as each task's `result`
+    (None: no result). Each must be JSON that `jsonb` accepts (no `\\u0000` escape): one
+    refused fails the whole statement, so the worker checks every result first
+    (`worker.processing.task_result`). Ids missing from the result lost their lease and were
+    left unchanged. Sent to psycopg directly, with binary arrays, like the claim: it is a
+    worker's other statement per batch.
     """
     if not leases:
         return set()
     with _driver_errors("complete_tasks"):
         driver = _driver(session, transaction=False)
-        return {row[0] for row in driver.execute(_COMPLETE, _unzip(leases))}
+        if results is None or all(result is None for result in results):
+            rows = driver.execute(_COMPLETE, _unzip(leases))
+        else:
+            if len(results) != len(leases):
+                raise ValueError(f"{len(results)} results for {len(leases)} leases")
+            rows = driver.execute(
+                _COMPLETE_WITH_RESULTS, {**_unzip(leases), "results": list(results)}
+            )
+        return {row[0] for row in rows}
 
 
 _FAIL = text(

@@ -269,3 +269,32 @@ def make_weighted_company(db_session: Session) -> MakeCompany:
         return insert_weighted_company(db_session, name, weight=weight, max_in_flight=max_in_flight)
 
     return make
+
+
+def insert_companies_with_tasks(
+    session: Session, count: int, tasks_each: int, prefix: str
+) -> list[uuid.UUID]:
+    """Store `count` companies with `tasks_each` runnable noop tasks each; commit; their ids.
+
+    Two statements whatever the count, for tests about thousands of tenants.
+    """
+    ids: list[uuid.UUID] = list(
+        session.execute(
+            text(
+                "INSERT INTO companies (name, api_key_hash) "
+                "SELECT :prefix || g, md5(:prefix || g || random()) "
+                "FROM generate_series(1, :n) AS g RETURNING id"
+            ),
+            {"n": count, "prefix": prefix},
+        ).scalars()
+    )
+    session.execute(
+        text(
+            "INSERT INTO tasks (company_id, type, payload) "
+            "SELECT c, 'noop', '{}' FROM unnest(CAST(:ids AS uuid[])) AS c, "
+            "generate_series(1, :per)"
+        ),
+        {"ids": ids, "per": tasks_each},
+    )
+    session.commit()
+    return ids

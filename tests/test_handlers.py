@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import email
 import email.policy
 import json
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -18,14 +20,17 @@ import pytest
 from aiosmtpd.controller import Controller
 
 from worker.errors import PermanentTaskError
-from worker.tasktypes import send_email, webhook
+from worker.processing import task_result
+from worker.tasktypes import send_email, sleep, webhook
 from worker.tasktypes.base import HandlerConfig, TaskContext
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def make_task(type_: str, payload: dict[str, Any], config: HandlerConfig) -> TaskContext:
-    """A first attempt at a task of `type_` with a fresh id."""
+def make_task(
+    type_: str, payload: dict[str, Any], config: HandlerConfig, timeout: float | None = None
+) -> TaskContext:
+    """A first attempt at a task of `type_` with a fresh id; `timeout` seconds from now."""
     return TaskContext(
         task_id=uuid.uuid4(),
         company_id=uuid.uuid4(),
@@ -34,6 +39,8 @@ def make_task(type_: str, payload: dict[str, Any], config: HandlerConfig) -> Tas
         attempt=1,
         max_attempts=5,
         config=config,
+        timeout=timeout,
+        deadline=None if timeout is None else time.monotonic() + timeout,
     )
 
 
@@ -89,11 +96,12 @@ def smtp_server() -> Iterator[SmtpServer]:
         controller.stop()
 
 
-def email_task(config: HandlerConfig, **payload: Any) -> TaskContext:
+def email_task(config: HandlerConfig, timeout: float | None = None, **payload: Any) -> TaskContext:
     return make_task(
         "send_email",
         {"to": "alice@example.com", "subject": "Hello", "body": "Hi Alice", **payload},
         config,
+        timeout,
     )
 
 
@@ -116,6 +124,20 @@ def test_email_reaches_the_smtp_server_with_a_message_id_derived_from_the_task_i
     body = message.get_body()
     assert body is not None
     assert body.get_content().replace("\r\n", "\n") == "It is ready.\n"  # SMTP sends CRLF
+
+
+def test_email_returns_its_message_id_and_the_servers_reply_to_the_message(
+    smtp_server: SmtpServer,
+) -> None:
+    task = email_task(smtp_server.config)
+
+    result = send_email.handle(task)
+
+    assert result == {
+        "message_id": f"<{task.task_id}@fairq>",
+        "reply": "250 Message accepted for delivery",
+    }
+    task_result.encode(result)  # storable as the task's result
 
 
 def test_a_resend_of_the_same_task_carries_the_same_message_id(smtp_server: SmtpServer) -> None:
@@ -158,9 +180,12 @@ def test_an_unknown_smtp_url_scheme_is_a_retryable_config_error() -> None:
         send_email.handle(email_task(config))
 
 
-def test_an_smtp_server_that_trickles_its_greeting_is_cut_off_at_the_total_timeout() -> None:
-    # A greeting a byte per tenth of a second: every read is inside the timeout, the
-    # exchange (about 3 s) far outside it.
+@contextlib.contextmanager
+def trickling_smtp_server() -> Iterator[int]:
+    """An SMTP server on 127.0.0.1 sending its greeting a byte per tenth of a second; its port.
+
+    Every read is inside any timeout; the exchange (about 3 s) is far outside a short one.
+    """
     listener = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
 
@@ -177,15 +202,29 @@ def test_an_smtp_server_that_trickles_its_greeting_is_cut_off_at_the_total_timeo
 
     thread = threading.Thread(target=trickle)
     thread.start()
-    port = listener.getsockname()[1]
-    config = HandlerConfig(smtp_url=f"smtp://127.0.0.1:{port}", smtp_timeout=0.5)
     try:
-        with pytest.raises(send_email.SmtpRetryableError, match=r"longer than 0\.5 s"):
-            send_email.handle(email_task(config))
+        yield listener.getsockname()[1]
     finally:
         stop.set()
         thread.join()
         listener.close()
+
+
+def test_an_smtp_server_that_trickles_its_greeting_is_cut_off_at_the_total_timeout() -> None:
+    with trickling_smtp_server() as port:
+        config = HandlerConfig(smtp_url=f"smtp://127.0.0.1:{port}", smtp_timeout=0.5)
+        with pytest.raises(send_email.SmtpRetryableError, match=r"longer than 0\.5 s"):
+            send_email.handle(email_task(config))
+
+
+def test_sending_stops_at_the_tasks_timeout_when_that_comes_before_smtp_timeout() -> None:
+    with trickling_smtp_server() as port:
+        config = HandlerConfig(smtp_url=f"smtp://127.0.0.1:{port}", smtp_timeout=30)
+        started = time.monotonic()
+        with pytest.raises(send_email.SmtpRetryableError, match=r"task's timeout \(0\.5 s\)"):
+            send_email.handle(email_task(config, timeout=0.5))
+
+    assert time.monotonic() - started < 5  # the task's 0.5 s, far from SMTP_TIMEOUT's 30 s
 
 
 def test_a_line_break_in_the_subject_fails_the_email_permanently(smtp_server: SmtpServer) -> None:
@@ -283,8 +322,10 @@ def http_server() -> Iterator[HttpServer]:
         thread.join()
 
 
-def webhook_task(config: HandlerConfig, url: str, **payload: Any) -> TaskContext:
-    return make_task("webhook", {"url": url, **payload}, config)
+def webhook_task(
+    config: HandlerConfig, url: str, timeout: float | None = None, **payload: Any
+) -> TaskContext:
+    return make_task("webhook", {"url": url, **payload}, config, timeout)
 
 
 @pytest.fixture
@@ -405,6 +446,19 @@ def test_a_server_slower_than_the_timeout_is_retryable(http_server: HttpServer) 
         webhook.handle(task)
 
 
+def test_a_webhook_stops_at_the_tasks_timeout_when_that_comes_before_its_own(
+    http_server: HttpServer,
+) -> None:
+    config = http_server.config(webhook_timeout=30)
+    task = webhook_task(config, http_server.url("/slow"), timeout=0.5)
+    started = time.monotonic()
+
+    with pytest.raises(webhook.WebhookRetryableError, match=r"task's timeout \(0\.5 s\)"):
+        webhook.handle(task)
+
+    assert time.monotonic() - started < 5  # the task's 0.5 s, far from the call's own 30 s
+
+
 def test_a_server_that_trickles_its_answer_is_cut_off_at_the_total_timeout(
     http_server: HttpServer,
 ) -> None:
@@ -455,7 +509,50 @@ def test_a_success_cut_short_is_retryable_not_completed(
 def test_a_whole_success_completes(http_server: HttpServer, answer: bytes) -> None:
     http_server.raw["/whole"] = (answer, 0.0)
 
-    webhook.handle(webhook_task(http_server.config(), http_server.url("/whole")))
+    result = webhook.handle(webhook_task(http_server.config(), http_server.url("/whole")))
+
+    assert result["body"] == ("" if b" 204 " in answer else "ok")
+
+
+def test_a_webhook_returns_the_status_and_the_body_it_got(http_server: HttpServer) -> None:
+    http_server.script["/created"] = [(201, {}, b'{"id": 42}')]
+
+    result = webhook.handle(webhook_task(http_server.config(), http_server.url("/created")))
+
+    assert result == {"status": 201, "body": '{"id": 42}'}
+
+
+def test_a_webhook_result_keeps_the_first_4096_bytes_of_the_body_as_storable_text(
+    http_server: HttpServer,
+) -> None:
+    # The cut falls inside a two-byte character, which is dropped, not mangled; U+0000, which
+    # jsonb cannot hold, becomes U+FFFD.
+    body = ("\x00" + "é" * 3000).encode()
+    http_server.script["/long"] = [(200, {}, body)]
+
+    result = webhook.handle(webhook_task(http_server.config(), http_server.url("/long")))
+
+    assert result == {"status": 200, "body": "\ufffd" + "é" * 2047 + "..."}
+    task_result.encode(result)  # storable as the task's result
+
+
+def test_sleep_sleeps_no_longer_than_the_time_left_and_then_fails_retryably() -> None:
+    task = make_task("sleep", {"seconds": 30}, HandlerConfig(), timeout=0.3)
+    started = time.monotonic()
+
+    with pytest.raises(TimeoutError, match="timeout came first"):
+        sleep.handle(task)
+
+    assert time.monotonic() - started < 5  # the task's 0.3 s, not the 30 s asked for
+
+
+def test_sleep_within_its_timeout_sleeps_as_asked() -> None:
+    task = make_task("sleep", {"seconds": 0.05}, HandlerConfig(), timeout=5)
+    started = time.monotonic()
+
+    sleep.handle(task)
+
+    assert time.monotonic() - started >= 0.05
 
 
 def test_an_unreachable_webhook_host_is_retryable() -> None:

@@ -49,6 +49,10 @@ ADMIN_EXPECTED: dict[tuple[str, str], int] = {
     ("/companies/<uuid:company_id>/tasks/<uuid:task_id>", "GET"): 403,
     ("/companies/<uuid:company_id>/tasks/<uuid:task_id>/cancel", "POST"): 403,
     ("/companies/<uuid:company_id>/tasks/<uuid:task_id>/retry", "POST"): 403,
+    ("/companies/<uuid:company_id>/task-batches", "POST"): 403,
+    ("/companies/<uuid:company_id>/pause", "POST"): 200,
+    ("/companies/<uuid:company_id>/resume", "POST"): 200,
+    ("/companies/<uuid:company_id>/stats", "GET"): 200,
 }
 
 # Admin-only company routes: every company key, its own included, gets the 401 of an
@@ -63,7 +67,22 @@ BODIES: dict[str, dict[str, Any]] = {
     "POST": {"type": "noop"},
     "PATCH": {"weight": 7, "max_in_flight": 3},
 }
+# Routes whose valid body is not their method's in BODIES.
+ROUTE_BODIES: dict[tuple[str, str], dict[str, Any]] = {
+    ("/companies/<uuid:company_id>/task-batches", "POST"): {"tasks": [{"type": "noop"}] * 2},
+}
 COMPANY_FIELDS = {"id", "name", "created_at", "weight", "max_in_flight", "max_pending", "paused"}
+# The admin's 200 answers that are not the company itself: (their fields, the field with its id).
+ADMIN_OK_BODIES: dict[tuple[str, str], tuple[set[str], str]] = {
+    ("/companies/<uuid:company_id>/stats", "GET"): (
+        {
+            "company_id", "name", "paused", "max_pending", "as_of", "tasks", "runnable",
+            "in_flight", "oldest_runnable_wait_seconds", "completed_last_5m", "failed_last_5m",
+            "completed_last_60m", "failed_last_60m", "estimated",
+        },
+        "company_id",
+    ),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -83,12 +102,16 @@ class Route:
 
 
 def company_routes(app: Flask) -> list[Route]:
-    """Every (rule, method) of `app` with a company id in its path, HEAD/OPTIONS excepted."""
+    """Every (rule, method) of `app` with a company id in its path, HEAD/OPTIONS excepted.
+
+    The dashboard's pages are not API routes: no bearer token opens them (an operator's
+    session does), as tests/test_dashboard.py shows.
+    """
     return sorted(
         (
             Route(rule, method)
             for rule in app.url_map.iter_rules()
-            if "company_id" in rule.arguments
+            if "company_id" in rule.arguments and not rule.endpoint.startswith("dashboard.")
             for method in rule.methods or ()
             if method not in {"HEAD", "OPTIONS"}
         ),
@@ -142,9 +165,11 @@ def snapshot(session: Session) -> list[tuple[Any, ...]]:
 
 
 def company_snapshot(session: Session) -> list[tuple[Any, ...]]:
-    """Every company row's mutable state (name and limits)."""
+    """Every company row's mutable state (name, limits, paused)."""
     rows = session.execute(
-        select(Company.id, Company.name, Company.weight, Company.max_in_flight).order_by(Company.id)
+        select(
+            Company.id, Company.name, Company.weight, Company.max_in_flight, Company.paused
+        ).order_by(Company.id)
     )
     return [tuple(row) for row in rows]
 
@@ -176,7 +201,7 @@ def call(
     task: object,
     headers: dict[str, str],
 ) -> TestResponse:
-    """Send `route` with these path ids; a POST or PATCH carries a valid body (`BODIES`)."""
+    """Send `route` with these path ids and a valid body (`ROUTE_BODIES`, else `BODIES`)."""
     unknown = set(route.rule.arguments) - KNOWN_ARGUMENTS
     assert not unknown, f"{route}: the sweep cannot fill {sorted(unknown)}; extend it"
     values = {"company_id": company, "task_id": task}
@@ -190,7 +215,7 @@ def call(
         path,
         method=route.method,
         headers=headers,
-        json=BODIES.get(route.method),
+        json=ROUTE_BODIES.get(route.key, BODIES.get(route.method)),
     )
 
 
@@ -267,7 +292,8 @@ def test_admin_token_gets_the_designed_answer_on_every_company_route(
                 problems.append(f"{where}: leaks task data {found}")
             if expected == 200:
                 body = json_of(response)
-                if set(body) != COMPANY_FIELDS or body["id"] != str(tenants.victim.id):
+                fields, id_field = ADMIN_OK_BODIES.get(route.key, (COMPANY_FIELDS, "id"))
+                if set(body) != fields or body[id_field] != str(tenants.victim.id):
                     problems.append(f"{where}: unexpected body {body}")
                 continue
             body = json_of(response)
@@ -286,6 +312,9 @@ def test_admin_token_gets_the_designed_answer_on_every_company_route(
     # The admin's PATCH changed the victim's limits, and only the victim's.
     assert company_limits(db_session, tenants.victim.id) == (7, 3)
     assert company_limits(db_session, tenants.intruder.id) == (1, None)
+    # It paused the victim, then resumed it (routes in order), and only the victim.
+    paused = {row.id: row.paused for row in db_session.execute(select(Company.id, Company.paused))}
+    assert (paused[tenants.victim.id], paused[tenants.intruder.id]) == (False, False)
 
 
 @pytest.mark.parametrize(

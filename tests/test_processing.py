@@ -30,10 +30,10 @@ from worker import processing, tasktypes
 from worker.errors import PermanentTaskError
 from worker.processing import completion_buffer, sweep
 from worker.settings import PassSettings
-from worker.tasktypes.base import HandlerConfig, TaskContext, TaskType
+from worker.tasktypes.base import Handler, HandlerConfig, TaskContext, TaskType
 from worker.tasktypes.noop import NoopPayload
 
-Register = Callable[[str, Callable[[TaskContext], None]], None]
+Register = Callable[[str, Handler], None]
 
 
 class Recorder:
@@ -81,7 +81,7 @@ def sessions(fresh_engine: Engine) -> sessionmaker[Session]:
 def register(monkeypatch: pytest.MonkeyPatch) -> Register:
     """`register(name, handler)` adds a task type for this test only."""
 
-    def add(name: str, handler: Callable[[TaskContext], None]) -> None:
+    def add(name: str, handler: Handler) -> None:
         monkeypatch.setitem(
             tasktypes.REGISTRY, name, TaskType(name, "test type", NoopPayload, handler)
         )
@@ -449,10 +449,10 @@ def test_outcomes_a_database_error_left_unwritten_are_written_by_the_next_pass_n
     down = True
 
     def while_down(real: Callable[..., set[uuid.UUID]]) -> Callable[..., set[uuid.UUID]]:
-        def statement(session: Session, leases: Any) -> set[uuid.UUID]:
+        def statement(session: Session, *args: Any) -> set[uuid.UUID]:
             if down:
                 raise _database_down()
-            return real(session, leases)
+            return real(session, *args)
 
         return statement
 
@@ -490,7 +490,7 @@ def test_outcomes_a_database_error_left_unwritten_are_written_by_the_next_pass_n
 def test_write_unwritten_writes_what_a_failed_pass_kept(
     sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def complete_fails(session: Session, leases: Any) -> set[uuid.UUID]:
+    def complete_fails(session: Session, *args: Any) -> set[uuid.UUID]:
         raise _database_down()
 
     ids = insert_tasks(sessions, fresh_company_id, 2, task_type="noop")
@@ -598,7 +598,7 @@ def test_the_lease_keeper_logs_a_database_outage_once_not_every_tick(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    def complete_fails(session: Session, leases: Any) -> set[uuid.UUID]:
+    def complete_fails(session: Session, *args: Any) -> set[uuid.UUID]:
         raise _database_down()
 
     monkeypatch.setattr(queue, "complete_tasks", complete_fails)
@@ -767,6 +767,10 @@ def test_post_workers_process_runs_handlers_with_the_api_handler_settings(
 
     assert json_of(response)["completed"] == 1
     assert deliveries == {task["id"]: [200]}
+    shown = app.test_client().get(
+        f"/companies/{company.id}/tasks/{task['id']}", headers=company.headers
+    )
+    assert json_of(shown)["result"] == {"status": 200, "body": ""}  # the receiver's empty 200
 
 
 def test_post_workers_process_needs_the_admin_token(

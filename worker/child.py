@@ -24,7 +24,11 @@ Forked by `worker.supervisor`. In order, a child:
    of its batch) or when its parent is gone (`os.getppid()` changed; looked at before a
    task at most every `ORPHAN_POLL_SECONDS`, a system call saved on nearly every task, and
    at least every `ORPHAN_CHECK_SECONDS` while waiting), makes one last attempt to write
-   what it still owes, then exits 0.
+   what it still owes, then exits 0;
+5. or exits `HANDLER_STUCK` from its lease keeper's thread when a handler could not be
+   stopped at its task's timeout (`processing.timeouts`), once the pass has written the
+   task's retry and what else it owed, saying which task on its status pipe (`stuck: ...`):
+   the supervisor logs it, takes back whatever leases remain, and replaces the child.
 
 Fewer round trips and less work per batch (`worker.processing`): each pass holds one
 connection of the child's engine; expired leases are swept every few seconds
@@ -49,7 +53,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import psycopg
 from sqlalchemy import Engine, text
@@ -60,6 +64,7 @@ from db import engine as db_engine
 from db import errors as db_errors
 from db import maintenance, queue
 from worker import backoff, liveness, wakeups
+from worker import logging as worker_logging
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -69,9 +74,13 @@ log = logging.getLogger("fairq.worker.child")
 
 # Exit status of a child that could not boot (gunicorn's WORKER_BOOT_ERROR is 3 too).
 BOOT_ERROR = 3
+# Exit status of a child that gave up on a handler it could not stop at its task's timeout
+# (`processing.timeouts`): its thread can be freed only by ending the process.
+HANDLER_STUCK = 4
 # Lines a child writes on its status pipe.
 STATUS_BOOTED = "booted"
 STATUS_ERROR = "error:"
+STATUS_STUCK = "stuck:"
 
 # application_name of a child's connections (operators and tests find them by it).
 APPLICATION_NAME = "fairq-worker"
@@ -211,6 +220,8 @@ class Child:
                 self.settings.stale_after
             )
             self._keeper = processing.LeaseKeeper()
+            # Handlers run on this thread: a timeout may interrupt their blocking calls too.
+            processing.install_nudge()
         except Exception as exc:
             log.exception("importing the processing code failed")
             return f"cannot import the processing code: {exc!r}"
@@ -377,8 +388,26 @@ class Child:
             unwritten=self._unwritten,
             sweep_schedule=self._sweep_schedule,
             keeper=self._keeper,
+            on_unstoppable=self._exit_unstoppable,
         )
         return result.claimed
+
+    def _exit_unstoppable(self, stuck: processing.Unstoppable) -> NoReturn:
+        """Exit: the pass gave up on a handler it could not stop, and wrote what it owed.
+
+        Called from the lease keeper's thread; the main thread is still in that handler,
+        blocked where no exception reaches it, and only the end of the process frees it.
+        The supervisor reads why on the status pipe and replaces this child.
+        """
+        task = stuck.task
+        reason = (
+            f"task {task.id} (type {task.type}) was still running {stuck.ran:.1f}s after it "
+            f"started, its timeout of {stuck.timeout:g}s long past, and could not be stopped"
+        )
+        log.error("child %d exits: %s", os.getpid(), reason)
+        self._report(f"{STATUS_STUCK} {reason}")
+        worker_logging.flush()
+        os._exit(HANDLER_STUCK)
 
     def _wait(self, timeout: float, *, listen: bool) -> None:
         """Sleep up to `timeout`; sooner on a stop signal or, when `listen`, a NOTIFY."""

@@ -3,7 +3,8 @@
 Flags mirror settings: each one overrides its environment variable and is validated the
 same way (`WorkerSettings.from_env`). Exit statuses: 0 stopped on request; 1 cannot start
 (metrics port taken, database error in `--once`); 2 invalid configuration (the message names
-the variable); 3 children could not boot.
+the variable); 3 children could not boot; 4 `--once` gave up on a handler it could not stop
+at its task's timeout (that task is retried, the rest of its batch handed back).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from sqlalchemy.exc import DBAPIError
 
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from worker import processing
 
 SETTINGS_ERROR_EXIT = 2
+# `--once` could not stop a handler at its timeout (`worker.child.HANDLER_STUCK` in a child).
+HANDLER_STUCK_EXIT = 4
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,8 @@ def run_once(settings: WorkerSettings) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda _signum, _frame: stop.set())
+    # The pass runs its handlers on this thread: a timeout may interrupt their blocking calls.
+    processing.install_nudge()
     engine = db_engine.make_engine(
         settings.database_url,
         application_name="fairq-worker-once",
@@ -162,6 +167,7 @@ def run_once(settings: WorkerSettings) -> int:
             settings=settings,
             stop=stop.is_set,
             unwritten=unwritten,
+            on_unstoppable=_exit_unstoppable,
         )
     except DBAPIError as exc:
         print(f"fairq worker: database error: {exc.orig or exc}", file=sys.stderr)
@@ -171,6 +177,22 @@ def run_once(settings: WorkerSettings) -> int:
         engine.dispose()
     print(json.dumps(dataclasses.asdict(result)), flush=True)
     return 0
+
+
+def _exit_unstoppable(stuck: processing.Unstoppable) -> NoReturn:
+    """Exit `HANDLER_STUCK_EXIT`: the main thread is in a handler that no exception stops.
+
+    Called from the pass's lease keeper thread once the pass wrote what it owed.
+    """
+    print(
+        f"fairq worker: task {stuck.task.id} (type {stuck.task.type}) was still running "
+        f"{stuck.ran:.1f}s after it started, its timeout of {stuck.timeout:g}s long past, and "
+        "could not be stopped; it is retried, the rest of the batch was handed back",
+        file=sys.stderr,
+        flush=True,
+    )
+    worker_logging.flush()
+    os._exit(HANDLER_STUCK_EXIT)
 
 
 def _write_unwritten(

@@ -192,7 +192,9 @@ class SupervisorCollector(Collector):
             value=self._children(),
         )
         yield CounterMetricFamily(
-            "worker_child_restarts", "Children that died unexpectedly and were replaced.",
+            "worker_child_restarts",
+            "Children that died unexpectedly, or gave up on a handler they could not stop at "
+            "its timeout, and were replaced.",
             value=self._restarts(),
         )  # fmt: skip
         yield CounterMetricFamily(

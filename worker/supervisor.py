@@ -16,6 +16,10 @@ its `arbiter.py`. One single-threaded loop:
   prometheus_client's servers use a thread or block, decision 0004) and reads each child's
   status pipe, on which a child reports that it booted or why it could not.
 
+A child that gives up on a handler it cannot stop at its task's timeout exits with
+`child.HANDLER_STUCK` after writing what it owed, having named the task on its status pipe:
+it is logged, counted as a restart, its remaining leases taken back, and it is replaced.
+
 Hung children (gunicorn's worker timeout, design §5): each child has a second pipe on which
 a thread of its own writes a byte every second while the child is alive
 (`liveness.AliveSignal`). The loop reads it without waiting on it (no wake-up per byte); a
@@ -133,9 +137,17 @@ class ChildProcess:
     @property
     def boot_error(self) -> str:
         """The reason the child sent before exiting with `child.BOOT_ERROR`, if any."""
+        return self._reported(child.STATUS_ERROR)
+
+    @property
+    def stuck_handler(self) -> str:
+        """What the child said before exiting with `child.HANDLER_STUCK`, if anything."""
+        return self._reported(child.STATUS_STUCK)
+
+    def _reported(self, prefix: str) -> str:
         for line in self.status.decode("utf-8", "replace").splitlines():
-            if line.startswith(child.STATUS_ERROR):
-                return line[len(child.STATUS_ERROR) :].strip()
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
         return "no reason given (see the child's log above)"
 
 
@@ -407,6 +419,8 @@ class Supervisor:
             self._dead_holders[child.worker_id(proc.pid)] = now
         if proc.retiring or self._stopping:
             level = logging.INFO if code in (0, None) else logging.WARNING
+            if code == child.HANDLER_STUCK:
+                how = f"{how}: {proc.stuck_handler}"
             log.log(level, "child %d exited (%s)", proc.pid, how)
             return
         delay = self._restart_delay(proc, now)
@@ -420,6 +434,15 @@ class Supervisor:
         self.restarts += 1
         if code == child.BOOT_ERROR:
             self._on_boot_failure(proc, now)
+            return
+        if code == child.HANDLER_STUCK:
+            # Its pass wrote the task's retry and what else it owed; whatever it could not
+            # write, its leases, the next child takes back at boot (dead holders, above).
+            log.error(
+                "child %d exited: %s (a handler blocked outside Python, or one that caught "
+                "HandlerTimeout); its other tasks go back to the queue; replacing it in %.2fs",
+                proc.pid, proc.stuck_handler, delay,
+            )  # fmt: skip
             return
         log.error("child %d died unexpectedly (%s); replacing it in %.2fs", proc.pid, how, delay)
 

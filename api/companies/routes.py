@@ -1,4 +1,5 @@
-"""/companies: create a tenant (admin), read it (the tenant or the admin), set its limits."""
+"""/companies: create a tenant (admin), read it (the tenant or the admin), set its limits
+(admin), pause and resume it (the tenant or the admin)."""
 
 from __future__ import annotations
 
@@ -93,4 +94,55 @@ class CompanyById(MethodView):
         session = database.session()
         company = companies.update_company_limits(session, company_id, **body)
         session.commit()
+        return company
+
+
+@blp.route("/<uuid:company_id>/pause")
+class CompanyPause(MethodView):
+    """Stop claiming a company's tasks."""
+
+    @blp.doc(operationId="pause_company")
+    @auth.company_required(allow_admin=True)
+    @blp.response(200, CompanySchema)
+    @blp.error(401, "Missing or invalid token.")
+    @blp.error(404, "No such company, or not yours.")
+    def post(self, company_id: uuid.UUID) -> Any:
+        """Pause a company's tasks (its own key, or the admin token).
+
+        New tasks are accepted and kept, but none is started: once this answers, no worker
+        claims another of its tasks. Tasks already running finish; one retried or whose
+        worker was lost waits. Pausing a paused company changes nothing.
+        """
+        # Several statements that must commit together (db.companies.pause_company): not the
+        # request's session, whose statements each commit on their own.
+        with database.session_factory()() as session:
+            company = companies.pause_company(session, company_id)
+            session.commit()
+        return company
+
+
+@blp.route("/<uuid:company_id>/resume")
+class CompanyResume(MethodView):
+    """Claim a paused company's tasks again."""
+
+    @blp.doc(operationId="resume_company")
+    @auth.company_required(allow_admin=True)
+    @blp.response(200, CompanySchema)
+    @blp.error(401, "Missing or invalid token.")
+    @blp.error(404, "No such company, or not yours.")
+    def post(self, company_id: uuid.UUID) -> Any:
+        """Resume a paused company's tasks (its own key, or the admin token).
+
+        Its waiting tasks are started again in their usual order (longest runnable first),
+        sharing the workers with the other companies by weight as before the pause, with
+        no catching up. Resuming a company that is not paused changes nothing.
+        """
+        # The update and the wake-up of idle workers (NOTIFY) commit together.
+        with database.session_factory()() as session:
+            company = companies.resume_company(
+                session,
+                company_id,
+                notify_channel=current_app.config["FAIRQ_SETTINGS"].notify_channel,
+            )
+            session.commit()
         return company

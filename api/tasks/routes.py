@@ -1,31 +1,38 @@
-"""/companies/{companyId}/tasks: create, read, list, cancel and retry a company's tasks."""
+"""/companies/{companyId}/tasks and /task-batches: create, read, list, cancel and retry tasks."""
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import json
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
-from flask import current_app, url_for
+from flask import current_app, request, url_for
 from flask.views import MethodView
 
-from api import auth, database
+from api import auth, database, errors
 from api.parser import Blueprint
+from api.settings import ApiSettings
 from api.tasks.schemas import (
+    MAX_BATCH_TASKS,
     IdempotencyHeaderSchema,
+    TaskBatchCreateSchema,
+    TaskBatchSchema,
     TaskCreateSchema,
     TaskListQuerySchema,
     TaskPageSchema,
     TaskSchema,
+    dump_tasks,
 )
 from db import queue
 
 blp = Blueprint(
     "tasks",
     __name__,
-    url_prefix="/companies/<uuid:company_id>/tasks",
+    url_prefix="/companies/<uuid:company_id>",
     description="A company's background tasks.",
 )
 
@@ -60,9 +67,26 @@ _REPLAYED = {
     "description": "Present on a replay: this is the task an earlier create made.",
     "schema": {"type": "string", "enum": ["true"]},
 }
+# The 429 of a write that would take the company's unfinished tasks past its max_pending.
+_BACKLOG_FULL: dict[str, Any] = {
+    "schema": errors.ErrorSchema,
+    "description": (
+        "The company's backlog quota (max_pending) is full: the message gives the quota, the "
+        "unfinished tasks and what the request adds. Nothing was stored."
+    ),
+    "headers": {
+        "Retry-After": {
+            "description": (
+                f"Seconds to wait before trying again ({errors.BACKLOG_RETRY_AFTER_SECONDS}); "
+                "room comes back as the company's tasks finish."
+            ),
+            "schema": {"type": "integer"},
+        }
+    },
+}
 
 
-@blp.route("")
+@blp.route("/tasks")
 class Tasks(MethodView):
     """A company's task collection."""
 
@@ -84,6 +108,8 @@ class Tasks(MethodView):
     @blp.error(404, "No such company, or not yours.")
     @blp.error(413, "Body larger than 1 MiB.")
     @blp.error(415, "Body is not JSON.")
+    @blp.error(409, "The Idempotency-Key was taken and freed again meanwhile; retry.")
+    @blp.alt_response(429, **_BACKLOG_FULL)
     def post(self, headers: dict[str, Any], body: dict[str, Any], company_id: uuid.UUID) -> Any:
         """Create a task (optionally idempotent with an Idempotency-Key header)."""
         key = headers.get("idempotency_key")
@@ -124,7 +150,101 @@ class Tasks(MethodView):
         }
 
 
-@blp.route("/<uuid:task_id>")
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def batch_body_limit(view: Callable[P, R]) -> Callable[P, R]:
+    """Let the view's request body be `ApiSettings.max_batch_body_bytes` instead of 1 MiB.
+
+    Applied above `@blp.arguments`: the body is read (and a larger one refused with 413) when
+    the arguments are parsed. Flask 3.1 reads the limit per request.
+    """
+
+    @functools.wraps(view)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        settings: ApiSettings = current_app.config["FAIRQ_SETTINGS"]
+        request.max_content_length = settings.max_batch_body_bytes
+        return view(*args, **kwargs)
+
+    return wrapper
+
+
+@blp.route("/task-batches")
+class TaskBatches(MethodView):
+    """A company's tasks created many at once."""
+
+    @blp.doc(operationId="create_task_batch")
+    @auth.company_required()
+    @batch_body_limit
+    @blp.arguments(TaskBatchCreateSchema())
+    @blp.response(
+        201,
+        TaskBatchSchema,
+        description="Created: the tasks in request order, replays (`replayed`) included.",
+    )
+    @blp.alt_response(
+        200,
+        schema=TaskBatchSchema,
+        description="Every item was a replay: nothing was created.",
+        headers={"Idempotent-Replayed": _REPLAYED},
+        success=True,
+    )
+    @blp.error(400, "Malformed JSON.")
+    @blp.error(401, "Missing or invalid token.")
+    @blp.error(403, "The admin token cannot act for a company.")
+    @blp.error(404, "No such company, or not yours.")
+    @blp.error(413, f"Body larger than {ApiSettings.max_batch_body_bytes // (1024 * 1024)} MiB.")
+    @blp.error(415, "Body is not JSON.")
+    @blp.error(
+        422,
+        "An invalid item (named `tasks[<index>].<field>`), more than "
+        f"{MAX_BATCH_TASKS} items, a key already used with another body, or more tasks than "
+        "the quota itself. Nothing was stored.",
+    )
+    @blp.error(409, "An item's Idempotency-Key was taken and freed again meanwhile; retry.")
+    @blp.alt_response(429, **_BACKLOG_FULL)
+    def post(self, body: dict[str, list[dict[str, Any]]], company_id: uuid.UUID) -> Any:
+        """Create up to 1,000 tasks in one request, all or nothing (Idempotency-Key per item)."""
+        items = [
+            queue.NewTask(
+                type=item["type"],
+                payload=item["payload"],
+                run_at=item.get("run_at"),
+                max_attempts=item["max_attempts"],
+                timeout_seconds=item["timeout_seconds"],
+                idempotency_key=item.get("idempotency_key"),
+                request_hash=request_hash(item)
+                if item.get("idempotency_key") is not None
+                else None,
+            )
+            for item in body["tasks"]
+        ]
+        # Authentication may have read through the request's session: release its
+        # connection before taking one for the transaction (a request holds one at a time).
+        database.session().commit()
+        # A transaction, unlike the request's autocommit session: a key whose body differs
+        # can surface after the insert (a create that committed meanwhile), and then
+        # nothing of the batch may stay.
+        with database.session_factory()() as session:
+            results = queue.create_tasks(
+                session,
+                company_id=company_id,
+                tasks=items,
+                notify_channel=current_app.config["FAIRQ_SETTINGS"].notify_channel,
+            )
+            session.commit()
+        # Serialized without marshmallow (`dump_tasks`): it took longer than the insert.
+        dumped = dump_tasks([task for task, _ in results])
+        for item, (_, created) in zip(dumped, results, strict=True):
+            item["replayed"] = not created
+        response = current_app.json.response({"items": dumped})
+        if any(created for _, created in results):
+            return response, 201
+        return response, 200, {"Idempotent-Replayed": "true"}
+
+
+@blp.route("/tasks/<uuid:task_id>")
 class TaskById(MethodView):
     """One task."""
 
@@ -139,7 +259,7 @@ class TaskById(MethodView):
         return queue.get_task(database.session(), company_id, task_id)
 
 
-@blp.route("/<uuid:task_id>/cancel")
+@blp.route("/tasks/<uuid:task_id>/cancel")
 class TaskCancel(MethodView):
     """Cancel a pending task."""
 
@@ -158,7 +278,7 @@ class TaskCancel(MethodView):
         return task
 
 
-@blp.route("/<uuid:task_id>/retry")
+@blp.route("/tasks/<uuid:task_id>/retry")
 class TaskRetry(MethodView):
     """Run a failed or cancelled task again."""
 
@@ -169,6 +289,7 @@ class TaskRetry(MethodView):
     @blp.error(403, "The admin token cannot act for a company.")
     @blp.error(404, "No such task, or not yours.")
     @blp.error(409, "The task is not failed or cancelled.")
+    @blp.alt_response(429, **_BACKLOG_FULL)
     def post(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Any:
         """Retry a failed or cancelled task now, with its attempts reset."""
         session = database.session()

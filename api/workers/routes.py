@@ -5,6 +5,14 @@ defaults (batch 100, fair across companies), the API's `STALE_AFTER_SECONDS` and
 handler settings as the worker (`SMTP_URL`, `WEBHOOK_ALLOW_PRIVATE`, ...); it runs in the
 request, so the response waits for every claimed task's handler. Its tasks are counted in the
 API's `/metrics` under the worker's names (`tasks_claimed_total`, `tasks_completed_total`, ...).
+What handlers return is stored as their tasks' `result`, as in a worker.
+
+Timeouts apply as in a worker (`worker.processing.timeouts`), with one difference: the pass
+runs in the request's thread, which no signal reaches, so a handler is stopped at its timeout
+between bytecodes only, not inside a blocking call. One that cannot be stopped within the
+grace is given up on: the pass writes its task's retry, its completions and the release of
+the rest of the batch at once, but the request's thread (unlike a worker child, which
+exits) stays in that handler, and the response waits until it returns.
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ END
 $$
 """
 
-# Replaces 0003's function: pausing also takes the company out of the ring at once (a claim
-# holding the claimers' lock is waited out by the API before it pauses: db/companies.py).
+# Replaces 0003's function: pausing also takes the company out of the ring at once (the API's
+# pause also takes the claimers' lock before it commits: db/companies.py `pause_company`).
 _COPY_COMPANY_LIMITS = """
 CREATE OR REPLACE FUNCTION fairq_copy_company_limits() RETURNS trigger
 LANGUAGE plpgsql AS $$

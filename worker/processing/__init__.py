@@ -11,6 +11,8 @@ The pieces, each in its module:
 - `one_pass`: the pass itself (`run_pass`, `ProcessingPass`);
 - `outcome`: what becomes of a task after its attempt, a pure function of what its handler
   raised, its attempts and the backoff rule;
+- `timeouts`: each attempt's deadline, and stopping a handler still running at it;
+- `task_result`: what a handler returned, as the JSON text its task stores;
 - `finalize`: writing each outcome fenced by the task's lease, and reporting it once;
 - `completion_buffer`: completions waiting to be written together;
 - `held_leases`: the leases a pass holds and their heartbeat;
@@ -32,6 +34,7 @@ from worker.processing.observer import PassObserver
 from worker.processing.one_pass import run_pass, write_unwritten
 from worker.processing.result import PassResult
 from worker.processing.sweep import SweepSchedule
+from worker.processing.timeouts import Unstoppable, install_nudge
 from worker.processing.unwritten import UnwrittenOutcomes
 
 __all__ = [
@@ -40,7 +43,9 @@ __all__ = [
     "PassObserver",
     "PassResult",
     "SweepSchedule",
+    "Unstoppable",
     "UnwrittenOutcomes",
+    "install_nudge",
     "run_pass",
     "write_unwritten",
 ]

@@ -22,6 +22,7 @@ class Completion(NamedTuple):
     lease: queue.Lease
     seconds: float  # how long the handler ran
     at: float  # time.monotonic() when it returned
+    result: str | None = None  # what it returned, as JSON text (`task_result.encode`)
 
 
 class CompletionBuffer:

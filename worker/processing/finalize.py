@@ -42,9 +42,18 @@ class Finalizer:
         self.observer = observer
         self.completions = CompletionBuffer()
 
-    def complete(self, task: queue.ClaimedTask, lease: queue.Lease, seconds: float) -> None:
-        """Buffer the completion of `task`, whose handler ran `seconds`; a flush writes it."""
-        self.completions.append(Completion(task, lease, seconds, time.monotonic()))
+    def complete(
+        self,
+        task: queue.ClaimedTask,
+        lease: queue.Lease,
+        seconds: float,
+        result: str | None = None,
+    ) -> None:
+        """Buffer the completion of `task`, whose handler ran `seconds`; a flush writes it.
+
+        `result` is what the handler returned, as JSON text (`task_result.encode`), or None.
+        """
+        self.completions.append(Completion(task, lease, seconds, time.monotonic(), result))
 
     def settle(
         self,
@@ -102,9 +111,12 @@ class Finalizer:
         done = self.completions.take(force=force)
         if not done:
             return
+        leases = [d.lease for d in done]
+        # Results only when some handler returned one: else the statement without them.
+        results = [d.result for d in done] if any(d.result is not None for d in done) else None
         try:
             completed = self.db.write(
-                session, lambda: queue.complete_tasks(session, [d.lease for d in done])
+                session, lambda: queue.complete_tasks(session, leases, results)
             )
         except BaseException:
             self.completions.put_back(done)

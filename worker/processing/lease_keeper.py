@@ -2,7 +2,9 @@
 
 While a pass runs its batch, the keeper refreshes the leases it holds every heartbeat
 interval, so a long task is never taken over while its worker is alive, and writes the
-completions that are due, so they need not wait for the end of the pass.
+completions that are due, so they need not wait for the end of the pass. Each tick it also
+stops a handler running past its task's timeout (`timeouts`), from outside the handler's
+thread, which is busy with the handler.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class KeptPass(Protocol):
 
     def flush_due_completions(self, session: Session) -> None:
         """Write the completions that have waited long enough."""
+
+    def stop_overdue_handler(self, session: Session) -> None:
+        """Stop the handler running past its timeout; give up on it after the grace."""
 
 
 class LeaseKeeper:
@@ -102,6 +107,7 @@ class LeaseKeeper:
         try:
             if self._session is None:
                 self._session = owner.new_session()
+            owner.stop_overdue_handler(self._session)
             if time.monotonic() >= self._next_beat:
                 self._next_beat = time.monotonic() + owner.heartbeat_interval
                 owner.heartbeat(self._session)

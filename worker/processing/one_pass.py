@@ -18,7 +18,8 @@ from sqlalchemy.orm import Session
 from db import queue
 from worker import backoff, tasktypes
 from worker import logging as worker_logging
-from worker.processing import database, outcome, sweep
+from worker.errors import HandlerTimeout, PermanentTaskError
+from worker.processing import database, outcome, sweep, task_log, task_result, timeouts
 from worker.processing.completion_buffer import Completion
 from worker.processing.database import PassDatabase, SessionSource
 from worker.processing.finalize import Finalizer
@@ -28,11 +29,14 @@ from worker.processing.observer import NoopObserver, PassObserver
 from worker.processing.result import PassResult, ResultCounter
 from worker.processing.sweep import SweepSchedule
 from worker.processing.task_log import log
+from worker.processing.timeouts import Ending
 from worker.processing.unwritten import UnwrittenOutcomes
 from worker.settings import PassSettings
-from worker.tasktypes.base import TaskContext
+from worker.tasktypes.base import JsonValue, TaskContext
 
 StopFlag = threading.Event | Callable[[], bool] | None
+# Told of a handler the pass gave up on (`timeouts`), once its outcome is written.
+OnUnstoppable = Callable[[timeouts.Unstoppable], None]
 
 
 def run_pass(
@@ -46,6 +50,7 @@ def run_pass(
     unwritten: UnwrittenOutcomes | None = None,
     sweep_schedule: SweepSchedule | None = None,
     keeper: LeaseKeeper | None = None,
+    on_unstoppable: OnUnstoppable | None = None,
 ) -> PassResult:
     """Run one pass: sweep, claim up to `settings.batch_size` tasks, run and finalize each.
 
@@ -57,7 +62,13 @@ def run_pass(
     handler's `Exception` never escapes: `outcome.decide` completes, retries or fails the
     task. A `BaseException` (KeyboardInterrupt, SystemExit) propagates after the pass writes
     its completions and releases the unstarted rest; the interrupted task is left to lease
-    expiry.
+    expiry. A handler's return value is stored as its task's result (`task_result`).
+
+    Each handler runs under its task's timeout (`timeouts`): one still running at it is
+    stopped, and the attempt is a retryable failure. One that cannot be stopped within the
+    grace is given up on: from the lease keeper's thread the pass writes its retry, the
+    buffered completions and the release of the unstarted rest, calls `on_unstoppable` (a
+    worker child exits there) and ends once the handler returns, if ever.
 
     Database errors propagate, after one more attempt to write the completions and releases
     the pass has not written yet. What that attempt could not write goes into `unwritten`, if
@@ -78,6 +89,7 @@ def run_pass(
             unwritten=unwritten,
             sweep_schedule=sweep_schedule,
             keeper=keeper,
+            on_unstoppable=on_unstoppable,
         ).run()
 
 
@@ -129,6 +141,7 @@ class ProcessingPass:
         unwritten: UnwrittenOutcomes | None = None,
         sweep_schedule: SweepSchedule | None = None,
         keeper: LeaseKeeper | None = None,
+        on_unstoppable: OnUnstoppable | None = None,
     ) -> None:
         heartbeat_interval = settings.effective_heartbeat_interval
         if not 0 < heartbeat_interval < settings.stale_after:
@@ -150,8 +163,13 @@ class ProcessingPass:
         self.leases = HeldLeases()
         self.finalizer = Finalizer(db, self.leases, self.counter, observer)
         # Held tasks whose handler has not started: released if the pass ends early. Only
-        # the pass's own thread uses it.
+        # the pass's own thread uses it, but for `_give_up`, while that thread is in a handler.
         self._unstarted: dict[uuid.UUID, queue.ClaimedTask] = {}
+        # Made here, in the thread that runs the handlers: the thread it stops.
+        self.timer = timeouts.HandlerTimer()
+        self.on_unstoppable = on_unstoppable
+        # Set once `_give_up` has written what the pass owed: the pass then ends.
+        self._given_up = threading.Event()
 
     # -- for the lease keeper (`lease_keeper.KeptPass`) -----------------------------------
 
@@ -166,6 +184,61 @@ class ProcessingPass:
     def flush_due_completions(self, session: Session) -> None:
         """Write the completions that have waited long enough."""
         self.finalizer.flush_completions(session, force=False)
+
+    def stop_overdue_handler(self, session: Session) -> None:
+        """Stop the handler running past its timeout; give up on it after the grace."""
+        overdue = self.timer.check(time.monotonic())
+        if overdue is not None:
+            self._give_up(session, overdue)
+
+    def _give_up(self, session: Session, running: timeouts.Running) -> None:
+        """Write what the pass owes, a handler it cannot stop still running; then say so.
+
+        In the lease keeper's thread; the pass's thread is in that handler (or waits for
+        this to end, `Ending.GIVEN_UP`), so it touches nothing here. The task's retry (or
+        failure), every buffered completion, and the release of the tasks not started are
+        written now, not left to the lease's expiry: a worker child is about to exit.
+        """
+        task = running.task
+        ran = time.monotonic() - running.started
+        unstarted: list[queue.ClaimedTask] = []
+        try:
+            fields = task_log.task_fields(
+                task, "task.unstoppable", ran, timeout_s=running.timeout,
+                grace_s=timeouts.STOP_GRACE_SECONDS,
+            )  # fmt: skip
+            log.error(task_log.MSG_UNSTOPPABLE, fields, extra=fields)
+            decision = outcome.timed_out(
+                timeout=running.timeout,
+                ran=ran,
+                detail=(
+                    f"could not be stopped within {timeouts.STOP_GRACE_SECONDS:g} s (blocked "
+                    "outside Python, or HandlerTimeout caught); given up"
+                ),
+                attempt=task.attempts,
+                max_attempts=task.max_attempts,
+                backoff=self._backoff,
+            )
+            unstarted, self._unstarted = list(self._unstarted.values()), {}
+            self.finalizer.settle(session, task, decision, seconds=ran)
+            self.finalizer.flush_completions(session, force=True)
+            self.finalizer.release(session, unstarted)
+            unstarted = []
+        except Exception as exc:
+            # Left for the pass's thread, should the handler return (completions stay
+            # buffered); else the holder's leases are taken back by the supervisor (a child
+            # that exits) or expire.
+            self._unstarted.update((t.id, t) for t in unstarted)
+            log.warning(
+                "could not write what the pass owes after giving up on task %s (%s); those "
+                "tasks go back to the queue when their leases are taken back",
+                task.id, type(exc).__name__,
+                extra={"event": "tasks.owed_dropped", "task_id": str(task.id)},
+            )  # fmt: skip
+        finally:
+            self._given_up.set()
+        if self.on_unstoppable is not None:
+            self.on_unstoppable(timeouts.Unstoppable(task, running.timeout, ran))
 
     # -- the pass's own thread ------------------------------------------------------------
 
@@ -299,7 +372,7 @@ class ProcessingPass:
         """
         self._unstarted = {task.id: task for task in batch}
         for task, lease in zip(batch, leases, strict=True):
-            if self.stop():
+            if self.stop() or self._given_up.is_set():
                 return
             self._confirm_leases(session)
             if self.leases.any_lost and self.leases.take_lost(task.id):
@@ -323,6 +396,8 @@ class ProcessingPass:
             self.finalizer.settle(session, task, failed, seconds=None)
             self._unstarted.pop(task.id, None)
             return
+        timeout = timeouts.timeout_of(task, task_type)
+        started = time.monotonic()
         context = TaskContext(
             task_id=task.id,
             company_id=task.company_id,
@@ -331,32 +406,101 @@ class ProcessingPass:
             attempt=task.attempts,
             max_attempts=task.max_attempts,
             config=self.settings.handler_config,
+            timeout=timeout,
+            deadline=started + timeout,
         )
         # From here on the task may have side effects: never released, whatever happens.
         self._unstarted.pop(task.id, None)
-        started = time.perf_counter()
+        timer = self.timer
+        timer.arm(task, timeout, started)
+        returned: JsonValue = None
+        raised: BaseException | None = None
         try:
-            task_type.handler(context)
+            try:
+                returned = task_type.handler(context)
+            finally:
+                ending = timer.disarm()
+        except HandlerTimeout as exc:
+            # The timer's, raised maybe as the handler returned, before `disarm` took effect.
+            ending = timer.disarm()
+            raised = exc
         except Exception as exc:
-            self._finalize(session, task, lease, exc, time.perf_counter() - started)
-        else:
-            self._finalize(session, task, lease, None, time.perf_counter() - started)
+            raised = exc
+        seconds = time.monotonic() - started
+        if raised is None and ending is Ending.IN_TIME:  # the common case, first
+            if returned is None:
+                self.finalizer.complete(task, lease, seconds)
+            else:
+                self._complete_with_result(session, task, lease, returned, seconds)
+            return
+        self._finalize_failure(
+            session, timeouts.Running(task, timeout, started),
+            ending=ending, raised=raised, seconds=seconds,
+        )  # fmt: skip
 
-    def _finalize(
+    def _complete_with_result(
         self,
         session: Session,
         task: queue.ClaimedTask,
         lease: queue.Lease,
-        raised: Exception | None,
+        returned: JsonValue,
         seconds: float,
     ) -> None:
-        decision = outcome.decide(
+        try:
+            result = task_result.encode(returned)
+        except task_result.UnstorableResult as exc:
+            self.finalizer.settle(
+                session, task, outcome.unstorable_result(str(exc)), seconds=seconds
+            )
+            return
+        self.finalizer.complete(task, lease, seconds, result)
+
+    def _finalize_failure(
+        self,
+        session: Session,
+        running: timeouts.Running,
+        *,
+        ending: Ending,
+        raised: BaseException | None,
+        seconds: float,
+    ) -> None:
+        """Finalize an attempt that raised or ran into its timeout (`ending`)."""
+        if ending is Ending.GIVEN_UP:
+            # The lease keeper wrote this task's outcome and what else the pass owed: stop.
+            self._given_up.wait()
+            return
+        task = running.task
+        # Timed out: stopped by the timer, or failed at its deadline (a handler that honours
+        # it ends there with an error of its own). A permanent error is the handler's verdict.
+        if (
+            ending is Ending.STOPPED
+            or isinstance(raised, HandlerTimeout)
+            or (
+                raised is not None
+                and not isinstance(raised, PermanentTaskError)
+                and time.monotonic() >= running.deadline
+            )
+        ):
+            if raised is None or isinstance(raised, HandlerTimeout):
+                detail = "stopped" if raised is not None else "stopped (the handler carried on)"
+            else:
+                detail = outcome.describe_error(raised)
+            decision: outcome.Retry | outcome.Fail = outcome.timed_out(
+                timeout=running.timeout,
+                ran=seconds,
+                detail=detail,
+                attempt=task.attempts,
+                max_attempts=task.max_attempts,
+                backoff=self._backoff,
+            )
+            self.finalizer.settle(session, task, decision, seconds=seconds, exc=raised)
+            return
+        assert isinstance(raised, Exception)  # else it was in time and raised nothing
+        failed = outcome.decide(
             raised, attempt=task.attempts, max_attempts=task.max_attempts, backoff=self._backoff
         )
-        if isinstance(decision, outcome.Complete):
-            self.finalizer.complete(task, lease, seconds)
-        else:
-            self.finalizer.settle(session, task, decision, seconds=seconds, exc=raised)
+        assert not isinstance(failed, outcome.Complete)
+        self.finalizer.settle(session, task, failed, seconds=seconds, exc=raised)
 
     def _backoff(self, attempt: int) -> float:
         return backoff.delay(attempt, rng=self.rng)

@@ -79,6 +79,42 @@ def decide(
     return Retry(backoff(attempt), describe_error(raised), error_type)
 
 
+# `error_type` of a timed-out attempt in the pass's log lines.
+TIMED_OUT = "TaskTimeout"
+
+
+def timed_out(
+    *,
+    timeout: float,
+    ran: float,
+    detail: str,
+    attempt: int,
+    max_attempts: int,
+    backoff: Callable[[int], float],
+) -> Retry | Fail:
+    """Decide the fate of a task whose handler was still running at its `timeout` (seconds).
+
+    A retryable failure, whatever the handler raised on its way out: a slow peer or a busy
+    host may be quicker next time, and a handler that is always too slow fails once its
+    attempts are used up, as any failure does. `last_error` says it timed out, after how long
+    (`ran`, seconds) against which timeout, then `detail`: how it ended.
+    """
+    error = f"timed out after {ran:.2f} s (timeout {timeout:g} s): {detail}"
+    if attempt >= max_attempts:
+        return Fail(f"gave up after {attempt} attempts: {error}", TIMED_OUT)
+    return Retry(backoff(attempt), error, TIMED_OUT)
+
+
+def unstorable_result(why: str) -> Fail:
+    """Fail a task whose handler returned a result `tasks.result` cannot store (`why`).
+
+    For good, not retried: the handler did its work (a retry would do it again: send the
+    email twice) and would most likely return the same result again; the handler is at
+    fault, and once it is fixed the task can be retried through the API.
+    """
+    return Fail(f"the handler returned a result that cannot be stored: {why}", "UnstorableResult")
+
+
 def unknown_type(task_type: str, registered: Iterable[str]) -> Fail:
     """Fail a task whose type no handler is registered for: no later attempt would find one."""
     error = f"unknown task type {task_type!r} (registered: {', '.join(registered)})"

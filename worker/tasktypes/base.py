@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from marshmallow import Schema
 
@@ -32,6 +33,11 @@ class TaskContext:
     """One attempt at one task, as a handler sees it.
 
     `task_id` is the idempotency key for every side effect (design §1.1); `attempt` counts from 1.
+    `timeout` is how long this attempt may run, in seconds (the task's `timeout_seconds`, or
+    its type's default), and `deadline` when that is up, in `time.monotonic()` seconds; None
+    when the handler is called without one (tests). A handler still running at its deadline
+    is stopped (`worker.errors.HandlerTimeout`): one that waits on the network bounds each
+    wait by `within_timeout` instead, and fails cleanly.
     """
 
     task_id: uuid.UUID
@@ -41,9 +47,34 @@ class TaskContext:
     attempt: int
     max_attempts: int
     config: HandlerConfig = field(default_factory=HandlerConfig)
+    timeout: float | None = None
+    deadline: float | None = None
+
+    def remaining(self) -> float | None:
+        """Seconds left before the deadline (0 once passed), or None without a deadline."""
+        if self.deadline is None:
+            return None
+        return max(self.deadline - time.monotonic(), 0.0)
+
+    def within_timeout(self, seconds: float) -> float:
+        """`seconds`, or the time left before the deadline if that is shorter (never below 0).
+
+        For a step with a limit of its own (a webhook call's `WEBHOOK_TIMEOUT_SECONDS`): it
+        then ends by the task's deadline too.
+        """
+        remaining = self.remaining()
+        return seconds if remaining is None else min(seconds, remaining)
 
 
-Handler = Callable[[TaskContext], None]
+# What a handler returns: a JSON value, stored as the task's `result` (None: no result). At
+# most `worker.processing.task_result.MAX_RESULT_BYTES` of compact UTF-8 JSON; a value that
+# cannot be stored fails its task. Mappings and sequences of any kind are written as JSON
+# objects and arrays.
+JsonValue: TypeAlias = (
+    bool | int | float | str | Sequence["JsonValue"] | Mapping[str, "JsonValue"] | None
+)
+
+Handler = Callable[[TaskContext], JsonValue]
 
 # A task's timeout when its type says nothing more specific, in seconds.
 DEFAULT_TIMEOUT_SECONDS = 60
@@ -57,8 +88,13 @@ def _default_timeout(_payload: Mapping[str, Any]) -> int:
 class TaskType:
     """A registered task type: `name` as used in the API, its payload schema and its handler.
 
+    `handler(context)` runs one attempt and returns its result (a `JsonValue`, None for
+    none); it raises `PermanentTaskError` for a failure no retry can fix, any other
+    exception for one that may pass later.
+
     `default_timeout`: the `timeout_seconds` of a task created without one, in whole
     seconds, from its (validated) payload: how long the type's work may take plus a margin.
+    The worker applies it too to tasks stored before timeouts existed (NULL).
     """
 
     name: str

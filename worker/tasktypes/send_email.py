@@ -9,6 +9,7 @@ import socket
 import ssl
 import urllib.parse
 from email.message import EmailMessage
+from typing import TYPE_CHECKING
 
 from marshmallow import RAISE, Schema, fields, validate
 
@@ -16,6 +17,9 @@ from worker.errors import PermanentTaskError
 from worker.tasktypes.base import HandlerConfig, TaskContext, TaskType
 from worker.tasktypes.deadline import SocketDeadline
 from worker.tasktypes.fields import SINGLE_LINE
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 _DEFAULT_PORTS = {"smtp": 25, "smtps": 465}
 
@@ -25,6 +29,9 @@ _AUTH_REPLY_CODES = frozenset({530, 534, 535, 538})
 
 # How much of a server reply an error message may quote.
 _QUOTE_LIMIT = 200
+# How much of the server's reply to the message the task's result keeps: a reply line's
+# limit (RFC 5321 §4.5.3.1.5), which holds the queue id servers put there.
+_RESULT_REPLY_LIMIT = 512
 
 
 class SendEmailPayload(Schema):
@@ -42,11 +49,15 @@ class SmtpRetryableError(Exception):
     """Sending failed in a way that may pass later (4xx reply, connection or config problem)."""
 
 
-def handle(task: TaskContext) -> None:
+def handle(task: TaskContext) -> dict[str, str]:
     """Send `payload.subject`/`payload.body` to `payload.to` through `config.smtp_url`.
 
     `Message-ID` is `<{task id}@fairq>` and `X-Fairq-Task-Id` carries the task id, so a resend
-    after a crash (at-least-once, design §1.1) is recognisable downstream.
+    after a crash (at-least-once, design §1.1) is recognisable downstream. Returns the task's
+    result: `{"message_id": "<{task id}@fairq>", "reply": "<code> <text>"}`, the server's
+    reply to the message (its queue id, often), at most `_RESULT_REPLY_LIMIT` characters.
+    The whole exchange, connect to QUIT, takes at most `config.smtp_timeout` seconds, or
+    what is left of the task's timeout if less.
 
     Raises `PermanentTaskError` when the server rejects the message or recipient with a 5xx
     reply (RFC 5321 §4.2.1), or when the payload cannot form a message (e.g. a line break in the
@@ -54,18 +65,28 @@ def handle(task: TaskContext) -> None:
     configuration problems (bad `smtp_url`, rejected credentials) that operators must fix.
     """
     message = _build_message(task)
-    with SocketDeadline(task.config.smtp_timeout) as deadline:
+    limit = task.within_timeout(task.config.smtp_timeout)
+    with SocketDeadline(limit) as deadline:
         try:
-            _send(task.config, message, deadline)
+            code, reply = _send(task.config, message, deadline)
         except (smtplib.SMTPException, OSError) as exc:
             if deadline.expired:
-                raise SmtpRetryableError(
-                    f"sending took longer than {task.config.smtp_timeout:g} s: {exc}"
-                ) from exc
+                raise SmtpRetryableError(f"{_took_too_long(task, limit)}: {exc}") from exc
             if isinstance(exc, smtplib.SMTPException):
                 raise _classify(exc) from exc
             # refused, unreachable, timeout, TLS failure
             raise SmtpRetryableError(f"SMTP connection failed: {exc}") from exc
+    return {
+        "message_id": str(message["Message-ID"]),
+        "reply": f"{code} {_reply_text(reply, _RESULT_REPLY_LIMIT)}",
+    }
+
+
+def _took_too_long(task: TaskContext, limit: float) -> str:
+    """Why a deadline cut the exchange short: SMTP_TIMEOUT's, or the task's own timeout."""
+    if limit < task.config.smtp_timeout and task.timeout is not None:
+        return f"sending stopped after {limit:.3g} s: the task's timeout ({task.timeout:g} s)"
+    return f"sending took longer than {task.config.smtp_timeout:g} s"
 
 
 def _build_message(task: TaskContext) -> EmailMessage:
@@ -84,8 +105,12 @@ def _build_message(task: TaskContext) -> EmailMessage:
     return message
 
 
-def _send(config: HandlerConfig, message: EmailMessage, deadline: SocketDeadline) -> None:
+def _send(
+    config: HandlerConfig, message: EmailMessage, deadline: SocketDeadline
+) -> tuple[int, bytes]:
     """Connect to `config.smtp_url`, log in if it carries credentials, send, and quit.
+
+    Returns the server's reply to the message (the end of DATA): code and text.
 
     `smtp://` is plain SMTP (no STARTTLS); `smtps://` is implicit TLS with certificate
     verification. Once the server has accepted the message, a failing QUIT is ignored: the mail
@@ -105,6 +130,9 @@ def _send(config: HandlerConfig, message: EmailMessage, deadline: SocketDeadline
     host, port = url.hostname, port or _DEFAULT_PORTS[url.scheme]
 
     class DeadlineSMTP(smtplib.SMTP):
+        # The reply to DATA, which `sendmail` checks and drops.
+        data_reply: tuple[int, bytes] = (0, b"")
+
         # The hook smtplib.SMTP_SSL itself overrides (typeshed does not declare it): the plain
         # socket, before the TLS handshake and the greeting.
         def _get_socket(self, host: str, port: int, timeout: float) -> socket.socket:
@@ -112,10 +140,14 @@ def _send(config: HandlerConfig, message: EmailMessage, deadline: SocketDeadline
             deadline.register(sock)
             return sock
 
+        def data(self, msg: ReadableBuffer | str) -> tuple[int, bytes]:
+            self.data_reply = super().data(msg)
+            return self.data_reply
+
     class DeadlineSMTPSSL(smtplib.SMTP_SSL, DeadlineSMTP):
         pass
 
-    smtp: smtplib.SMTP
+    smtp: DeadlineSMTP
     if url.scheme == "smtps":
         smtp = DeadlineSMTPSSL(
             host, port, timeout=deadline.remaining(), context=ssl.create_default_context()
@@ -133,6 +165,7 @@ def _send(config: HandlerConfig, message: EmailMessage, deadline: SocketDeadline
         smtp.quit()
     except (smtplib.SMTPException, OSError):
         smtp.close()
+    return smtp.data_reply
 
 
 def _classify(exc: smtplib.SMTPException) -> Exception:
@@ -159,10 +192,14 @@ def _classify(exc: smtplib.SMTPException) -> Exception:
     return SmtpRetryableError(f"SMTP failed ({type(exc).__name__}): {exc}")
 
 
-def _reply_text(text: bytes | str) -> str:
-    """Decode an SMTP reply text and cut it to `_QUOTE_LIMIT` characters."""
+def _reply_text(text: bytes | str, limit: int = _QUOTE_LIMIT) -> str:
+    """Decode an SMTP reply text and cut it to `limit` characters, marking the cut.
+
+    U+0000, which no JSON result can hold (`jsonb`), becomes U+FFFD.
+    """
     decoded = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
-    return decoded if len(decoded) <= _QUOTE_LIMIT else decoded[:_QUOTE_LIMIT] + "..."
+    decoded = decoded.replace("\x00", "\ufffd")
+    return decoded if len(decoded) <= limit else decoded[:limit] + "..."
 
 
 TASK_TYPE = TaskType(

@@ -31,8 +31,16 @@ class SleepPayload(Schema):
 
 
 def handle(task: TaskContext) -> None:
-    """Sleep for `payload.seconds`."""
-    time.sleep(float(task.payload["seconds"]))
+    """Sleep for `payload.seconds`, or until the task's timeout if that comes first.
+
+    Raises `TimeoutError` when the timeout cut the sleep short: the attempt is a retryable
+    failure, as any that runs into its timeout.
+    """
+    seconds = float(task.payload["seconds"])
+    allowed = task.within_timeout(seconds)
+    time.sleep(allowed)
+    if allowed < seconds:
+        raise TimeoutError(f"slept {allowed:.3g} s of {seconds:g} s: the task's timeout came first")
 
 
 def default_timeout(payload: Mapping[str, Any]) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import ipaddress
 import json
 import socket
@@ -30,6 +31,9 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 # The most of a 2xx body read to check it arrived whole; a longer one is not read further.
 _ACKNOWLEDGEMENT_LIMIT = 1 << 20
+# How much of a 2xx body the task's result keeps (`body`), in bytes: an id or a short JSON
+# answer fits; a longer body is cut there, the cut marked by "...".
+_RESULT_BODY_LIMIT = 4096
 
 # Statuses whose response has no body (RFC 9110 sections 15.3.5 and 15.4.5).
 _BODYLESS = frozenset({204, 304})
@@ -134,21 +138,23 @@ class _PinnedAdapter(HTTPAdapter):
         }
 
 
-def handle(task: TaskContext) -> None:
+def handle(task: TaskContext) -> dict[str, Any]:
     """POST `payload.body` as JSON to `payload.url` with `Idempotency-Key: <task id>`.
 
     The body is always JSON: an absent or null `body` is sent as the four bytes `null` with
     `Content-Type: application/json`, so a receiver's JSON parser never sees an empty body.
     Redirects are not followed (a redirect could lead past the SSRF guard). The whole call,
     from the name lookup's answer to the last byte of the response, takes at most
-    `config.webhook_timeout` seconds (`SocketDeadline`), however slowly the server answers.
+    `config.webhook_timeout` seconds (`SocketDeadline`), however slowly the server answers,
+    or what is left of the task's timeout if less.
     The checked addresses are tried in resolver order, moving on only when a connection
     cannot be opened (nothing was sent), at most `_MAX_ADDRESSES` of them.
 
     Raises `PermanentTaskError` for a refused target (see `_resolve`), a 3xx, a 4xx other than
     408/429, or a payload that cannot be sent; `WebhookRetryableError` for 408, 429, 5xx,
     timeouts, connection errors and a response that may be cut short (see
-    `_check_acknowledgement`). A whole 2xx completes the task.
+    `_check_acknowledgement`). A whole 2xx completes the task, with the result
+    `{"status": <code>, "body": <the body's first _RESULT_BODY_LIMIT bytes, as text>}`.
     """
     config = task.config
     url = urllib.parse.urlsplit(str(task.payload["url"]))
@@ -162,7 +168,8 @@ def handle(task: TaskContext) -> None:
     headers["Content-Type"] = "application/json"
     headers["Idempotency-Key"] = str(task.task_id)
 
-    with SocketDeadline(config.webhook_timeout) as deadline, requests.Session() as session:
+    limit = task.within_timeout(config.webhook_timeout)
+    with SocketDeadline(limit) as deadline, requests.Session() as session:
         # No proxies or ~/.netrc from the environment: a proxy would make its own DNS and routing
         # decisions behind the guard, and netrc could attach our credentials to a user's URL.
         session.trust_env = False
@@ -179,19 +186,27 @@ def handle(task: TaskContext) -> None:
                     stream=True,  # bodies are read by `_check_status`, and only so far
                 )
                 with response:
-                    _check_status(response)
+                    body = _check_status(response)
             except (requests.exceptions.InvalidHeader, requests.exceptions.InvalidURL) as exc:
                 raise PermanentTaskError(f"webhook request is invalid: {exc}") from exc
             except requests.RequestException as exc:
                 if deadline.expired:
-                    raise WebhookRetryableError(
-                        f"webhook call took longer than {config.webhook_timeout:g} s "
-                        "(WEBHOOK_TIMEOUT_SECONDS)"
-                    ) from exc
+                    raise WebhookRetryableError(_took_too_long(task, limit)) from exc
                 if _failed_to_connect(exc) and index + 1 < len(addresses):
                     continue
                 raise WebhookRetryableError(f"webhook call failed: {_quote(str(exc))}") from exc
-            return
+            return {"status": response.status_code, "body": body}
+    # Unreachable: every address either answered (returned) or raised; the loop ran once at
+    # least (`_resolve` found an address).
+    raise WebhookRetryableError("webhook host has no address to try")
+
+
+def _took_too_long(task: TaskContext, limit: float) -> str:
+    """Why a deadline cut the call short: WEBHOOK_TIMEOUT_SECONDS, or the task's timeout."""
+    if limit < task.config.webhook_timeout and task.timeout is not None:
+        return f"webhook call stopped after {limit:.3g} s: the task's timeout ({task.timeout:g} s)"
+    seconds = task.config.webhook_timeout
+    return f"webhook call took longer than {seconds:g} s (WEBHOOK_TIMEOUT_SECONDS)"
 
 
 @dataclass(frozen=True)
@@ -293,15 +308,15 @@ def _request_headers(user_headers: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
-def _check_status(response: requests.Response) -> None:
-    """Return for a whole 2xx; raise the error that the status code calls for (see `handle`).
+def _check_status(response: requests.Response) -> str:
+    """For a whole 2xx, return its body's excerpt (`_RESULT_BODY_LIMIT`); else raise the
+    error the status code calls for (see `handle`).
 
     Raises `requests.RequestException` when reading the body fails.
     """
     status = response.status_code
     if 200 <= status < 300:
-        _check_acknowledgement(response)
-        return
+        return _check_acknowledgement(response)
     if 300 <= status < 400:
         location = _quote(response.headers.get("Location", ""))
         raise PermanentTaskError(
@@ -315,16 +330,17 @@ def _check_status(response: requests.Response) -> None:
     raise WebhookRetryableError(detail)  # 1xx as final or a non-standard code: try again later
 
 
-def _check_acknowledgement(response: requests.Response) -> None:
-    """Raise `WebhookRetryableError` unless this 2xx provably arrived whole.
+def _check_acknowledgement(response: requests.Response) -> str:
+    """Raise `WebhookRetryableError` unless this 2xx provably arrived whole; return its excerpt.
 
     A response cut short in its headers parses as a complete one without a body, so a success
     must be framed: a `Content-Length` or chunked body, read to its end here (urllib3 raises on
     a body shorter than its length or an unterminated chunk), or a status that has no body.
-    A body longer than `_ACKNOWLEDGEMENT_LIMIT` is not read further.
+    A body longer than `_ACKNOWLEDGEMENT_LIMIT` is not read further. The excerpt is the
+    body's first `_RESULT_BODY_LIMIT` bytes as text (`_result_excerpt`).
     """
     if response.status_code in _BODYLESS:
-        return
+        return ""
     chunked = "chunked" in response.headers.get("Transfer-Encoding", "").lower()
     if "Content-Length" not in response.headers and not chunked:
         raise WebhookRetryableError(
@@ -332,10 +348,27 @@ def _check_acknowledgement(response: requests.Response) -> None:
             "body, so it cannot be told from a response cut short; treated as not delivered"
         )
     read = 0
+    head = b""
     for chunk in response.iter_content(chunk_size=64 * 1024):
+        if len(head) <= _RESULT_BODY_LIMIT:
+            head += chunk[: _RESULT_BODY_LIMIT + 1 - len(head)]
         read += len(chunk)
         if read >= _ACKNOWLEDGEMENT_LIMIT:
             break
+    return _result_excerpt(head)
+
+
+def _result_excerpt(head: bytes) -> str:
+    """The first `_RESULT_BODY_LIMIT` bytes of `head` as text, "..." marking a cut.
+
+    Decoded as UTF-8 (what JSON and most text bodies are), bad bytes replaced, a character
+    cut in two at the limit dropped; U+0000, which no JSON result can hold (`jsonb`),
+    becomes U+FFFD.
+    """
+    cut = len(head) > _RESULT_BODY_LIMIT
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    text = decoder.decode(head[:_RESULT_BODY_LIMIT], final=not cut)
+    return text.replace("\x00", "\ufffd") + ("..." if cut else "")
 
 
 def _body_excerpt(response: requests.Response) -> str:

@@ -1,0 +1,318 @@
+"""The backlog quota's answer: 429 with Retry-After and the numbers, nothing stored (design §3).
+
+A company's `max_pending` bounds its unfinished (pending or processing) tasks; the triggers of
+migration 0006 refuse a statement that would go past it with SQLSTATE FQ429, and the API
+answers 429 on every write that adds to the backlog: the single create, the batch (refused
+whole) and the retry.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import requests
+from flask.testing import FlaskClient
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
+from werkzeug.test import TestResponse
+
+from api import errors
+from db import queue
+from tests.conftest import ADMIN_TOKEN, serve_app
+from tests.factories import CompanyWithKey, MakeTask, count_tasks, insert_company, json_of
+
+QUOTA_MESSAGE = re.compile(
+    r"backlog quota exceeded: (\d+) unfinished tasks \(pending or processing\) of at most "
+    r"(\d+) \(max_pending\), and this request adds (\d+)"
+)
+
+
+def set_max_pending(client: FlaskClient, company: CompanyWithKey, max_pending: int | None) -> None:
+    """PATCH the company's quota as the admin."""
+    response = client.patch(
+        f"/companies/{company.id}",
+        json={"max_pending": max_pending},
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+    )
+    assert response.status_code == 200, response.get_json()
+
+
+def create(client: FlaskClient, company: CompanyWithKey, key: str | None = None) -> TestResponse:
+    """The single create of a noop task (with an Idempotency-Key when `key` is given)."""
+    headers = company.headers if key is None else {**company.headers, "Idempotency-Key": key}
+    return client.post(f"/companies/{company.id}/tasks", json={"type": "noop"}, headers=headers)
+
+
+def create_batch(
+    client: FlaskClient, company: CompanyWithKey, count: int, key_prefix: str | None = None
+) -> TestResponse:
+    """A batch of `count` noop tasks (keyed `<prefix>-<n>` when `key_prefix` is given)."""
+    tasks = [
+        {"type": "noop", **({"idempotency_key": f"{key_prefix}-{n}"} if key_prefix else {})}
+        for n in range(count)
+    ]
+    return client.post(
+        f"/companies/{company.id}/task-batches", json={"tasks": tasks}, headers=company.headers
+    )
+
+
+def assert_quota_refusal(
+    response: TestResponse, *, unfinished: int, quota: int, adding: int
+) -> None:
+    """A 429 with Retry-After whose message gives the backlog, the quota and the addition."""
+    assert response.status_code == 429, response.get_data(as_text=True)[:500]
+    assert response.headers["Retry-After"] == str(errors.BACKLOG_RETRY_AFTER_SECONDS)
+    body = json_of(response)
+    assert (body["code"], body["status"]) == (429, "Too Many Requests")
+    found = QUOTA_MESSAGE.match(body["message"])
+    assert found, body["message"]
+    assert tuple(int(n) for n in found.groups()) == (unfinished, quota, adding)
+
+
+def backlog(session: Session, company_id: uuid.UUID) -> int:
+    """The company's unfinished count as the triggers keep it."""
+    return int(
+        session.execute(
+            text("SELECT unfinished FROM company_backlogs WHERE company_id = :id"),
+            {"id": company_id},
+        ).scalar_one()
+    )
+
+
+def test_at_the_quota_the_next_create_is_429_and_cancelling_one_makes_room(
+    client: FlaskClient, company: CompanyWithKey, db_session: Session
+) -> None:
+    set_max_pending(client, company, 3)
+    created = [create(client, company) for _ in range(3)]
+    assert [response.status_code for response in created] == [201] * 3
+
+    refused = create(client, company)
+
+    assert_quota_refusal(refused, unfinished=3, quota=3, adding=1)
+    assert count_tasks(db_session, company.id) == 3
+    first = json_of(created[0])["id"]
+    cancel = client.post(f"/companies/{company.id}/tasks/{first}/cancel", headers=company.headers)
+    assert cancel.status_code == 200
+    assert create(client, company).status_code == 201
+    assert_quota_refusal(create(client, company), unfinished=3, quota=3, adding=1)
+    assert backlog(db_session, company.id) == 3
+
+
+def test_a_completed_task_makes_room_and_a_processing_one_does_not(
+    client: FlaskClient, company: CompanyWithKey, db_session: Session
+) -> None:
+    set_max_pending(client, company, 2)
+    assert create_batch(client, company, 2).status_code == 201
+    claimed = queue.claim(db_session, worker_id="test:1", batch_size=1)
+    assert len(claimed) == 1
+
+    # Processing still counts: the claim moved nothing out of the backlog.
+    assert_quota_refusal(create(client, company), unfinished=2, quota=2, adding=1)
+    assert queue.complete_tasks(db_session, [claimed[0].lease]) == {claimed[0].id}
+    assert create(client, company).status_code == 201
+    assert backlog(db_session, company.id) == 2
+
+
+def test_a_batch_that_does_not_fit_is_refused_whole(
+    client: FlaskClient, company: CompanyWithKey, db_session: Session
+) -> None:
+    set_max_pending(client, company, 5)
+    assert create_batch(client, company, 3).status_code == 201
+
+    refused = create_batch(client, company, 3)
+
+    assert_quota_refusal(refused, unfinished=3, quota=5, adding=3)
+    assert count_tasks(db_session, company.id) == 3
+    assert create_batch(client, company, 2).status_code == 201
+    assert count_tasks(db_session, company.id) == 5
+
+
+def test_replays_in_a_batch_take_no_room(
+    client: FlaskClient, company: CompanyWithKey, db_session: Session
+) -> None:
+    set_max_pending(client, company, 4)
+    assert create_batch(client, company, 3, key_prefix="k").status_code == 201
+
+    # k-0..k-2 are there (replays, no room needed), k-3 takes the last slot.
+    fits = create_batch(client, company, 4, key_prefix="k")
+    # k-0..k-3 replayed, k-4 and k-5 are two more than the room left.
+    refused = create_batch(client, company, 6, key_prefix="k")
+
+    assert fits.status_code == 201
+    assert [item["replayed"] for item in json_of(fits)["items"]] == [True] * 3 + [False]
+    assert_quota_refusal(refused, unfinished=4, quota=4, adding=2)
+    assert count_tasks(db_session, company.id) == 4
+
+
+def test_a_batch_larger_than_the_quota_itself_is_422_as_it_can_never_fit(
+    client: FlaskClient, company: CompanyWithKey, db_session: Session
+) -> None:
+    set_max_pending(client, company, 2)
+
+    response = create_batch(client, company, 3)
+
+    assert response.status_code == 422
+    assert "Retry-After" not in response.headers
+    message = json_of(response)["message"]
+    assert "adds 3 tasks, more than the company's max_pending of 2" in message
+    assert count_tasks(db_session, company.id) == 0
+
+
+def test_an_idempotent_replay_at_the_quota_still_replays(
+    client: FlaskClient, company: CompanyWithKey, db_session: Session
+) -> None:
+    set_max_pending(client, company, 2)
+    first = create(client, company, key="order-1")
+    assert create_batch(client, company, 1, key_prefix="batch").status_code == 201
+
+    again = create(client, company, key="order-1")
+    batch_again = create_batch(client, company, 1, key_prefix="batch")
+
+    assert again.status_code == 200
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert json_of(again)["id"] == json_of(first)["id"]
+    assert batch_again.status_code == 200
+    assert json_of(batch_again)["items"][0]["replayed"] is True
+    assert_quota_refusal(create(client, company, key="order-2"), unfinished=2, quota=2, adding=1)
+    assert count_tasks(db_session, company.id) == 2
+
+
+@pytest.mark.parametrize("status", ["failed", "cancelled"])
+def test_retrying_at_the_quota_is_429_and_leaves_the_task_as_it_was(
+    client: FlaskClient,
+    company: CompanyWithKey,
+    make_task: MakeTask,
+    db_session: Session,
+    status: str,
+) -> None:
+    set_max_pending(client, company, 1)
+    finished = make_task(company.id, status=status, attempts=5, last_error="boom")
+    assert create(client, company).status_code == 201
+    path = f"/companies/{company.id}/tasks/{finished.id}"
+
+    refused = client.post(f"{path}/retry", headers=company.headers)
+
+    assert_quota_refusal(refused, unfinished=1, quota=1, adding=1)
+    task = json_of(client.get(path, headers=company.headers))
+    assert (task["status"], task["attempts"]) == (status, 5)
+    set_max_pending(client, company, 2)
+    assert client.post(f"{path}/retry", headers=company.headers).status_code == 200
+
+
+def test_lowering_max_pending_below_the_backlog_refuses_creates_until_it_drains(
+    client: FlaskClient, company: CompanyWithKey, db_session: Session
+) -> None:
+    ids = [item["id"] for item in json_of(create_batch(client, company, 4))["items"]]
+
+    set_max_pending(client, company, 2)
+
+    # Nothing is dropped; new work waits until the backlog is below the new quota.
+    assert count_tasks(db_session, company.id) == 4
+    assert_quota_refusal(create(client, company), unfinished=4, quota=2, adding=1)
+    for task_id in ids[:2]:
+        client.post(f"/companies/{company.id}/tasks/{task_id}/cancel", headers=company.headers)
+    assert_quota_refusal(create(client, company), unfinished=2, quota=2, adding=1)
+    client.post(f"/companies/{company.id}/tasks/{ids[2]}/cancel", headers=company.headers)
+    assert create(client, company).status_code == 201
+    set_max_pending(client, company, None)
+    assert create_batch(client, company, 10).status_code == 201
+
+
+def test_a_quota_refusal_is_not_an_outage() -> None:
+    # FQ429 arrives as an OperationalError (psycopg's class for an unknown SQLSTATE class),
+    # like a lost connection; it must never be answered as a 503.
+    body, status, headers = errors.backlog_quota_answer(
+        "company=5f0e4fd2-0000-0000-0000-000000000000 max_pending=10 unfinished=10 adding=1"
+    )
+    assert status == 429
+    assert headers == {"Retry-After": str(errors.BACKLOG_RETRY_AFTER_SECONDS)}
+    assert QUOTA_MESSAGE.match(body["message"])
+    fallback, status, headers = errors.backlog_quota_answer(None)
+    assert status == 429
+    assert fallback["message"].startswith("backlog quota exceeded")
+
+
+def test_429_is_documented_with_retry_after_on_every_write_that_adds_to_the_backlog(
+    client: FlaskClient,
+) -> None:
+    spec = json_of(client.get("/openapi.json"))
+    operations = [
+        spec["paths"]["/companies/{company_id}/tasks"]["post"],
+        spec["paths"]["/companies/{company_id}/task-batches"]["post"],
+        spec["paths"]["/companies/{company_id}/tasks/{task_id}/retry"]["post"],
+    ]
+
+    for operation in operations:
+        answer = operation["responses"]["429"]
+        assert "max_pending" in answer["description"]
+        assert answer["headers"]["Retry-After"]["schema"] == {"type": "integer"}
+        assert answer["content"]["application/json"]["schema"]["$ref"].endswith("/Error")
+
+
+def test_20_parallel_creators_at_the_quota_never_exceed_it_and_the_201s_add_up(
+    fresh_db_url: str, fresh_engine: Engine
+) -> None:
+    quota, prefilled = 40, 10
+    with Session(fresh_engine) as session:
+        company = insert_company(session)
+        session.execute(
+            text("UPDATE companies SET max_pending = :quota WHERE id = :id"),
+            {"quota": quota, "id": company.id},
+        )
+        session.commit()
+    creators, rounds = 20, 6
+    start = threading.Barrier(creators)
+
+    def creator(port: int, n: int) -> list[tuple[int, int, dict[str, Any]]]:
+        """Half the creators send single creates, half batches of 1 to 3 tasks."""
+        url = f"http://127.0.0.1:{port}/companies/{company.id}"
+        answers = []
+        with requests.Session() as http:
+            http.headers.update(company.headers)
+            start.wait(timeout=30)
+            for r in range(rounds):
+                if n % 2:
+                    size = 1 + (n + r) % 3
+                    tasks = [{"type": "noop"}] * size
+                    response = http.post(f"{url}/task-batches", json={"tasks": tasks}, timeout=60)
+                else:
+                    size = 1
+                    response = http.post(f"{url}/tasks", json={"type": "noop"}, timeout=60)
+                answers.append((response.status_code, size, dict(response.headers)))
+        return answers
+
+    with serve_app(fresh_db_url) as port:
+        with requests.Session() as http:
+            for _ in range(prefilled):
+                response = http.post(
+                    f"http://127.0.0.1:{port}/companies/{company.id}/tasks",
+                    json={"type": "noop"},
+                    headers=company.headers,
+                    timeout=30,
+                )
+                assert response.status_code == 201
+        with ThreadPoolExecutor(creators) as pool:
+            per_creator = list(pool.map(creator, [port] * creators, range(creators)))
+    results = [answer for answers in per_creator for answer in answers]
+
+    statuses = {status for status, _, _ in results}
+    assert statuses <= {201, 429}, statuses
+    assert all(
+        headers.get("Retry-After") == str(errors.BACKLOG_RETRY_AFTER_SECONDS)
+        for status, _, headers in results
+        if status == 429
+    )
+    accepted = sum(size for status, size, _ in results if status == 201)
+    with Session(fresh_engine) as session:
+        stored = count_tasks(session, company.id)
+        counted = backlog(session, company.id)
+    assert stored == counted == prefilled + accepted
+    assert stored <= quota
+    # 60 single creates cannot all fit in 30 slots, and one is refused only at a full
+    # backlog, which never shrinks here: the quota is reached exactly.
+    assert stored == quota

@@ -1,0 +1,482 @@
+"""Per-task timeouts (design §4, Timeouts): a handler still running at its timeout is stopped.
+
+Its attempt is a retryable failure whose `last_error` says so. A pure-Python handler is
+stopped between bytecodes, a blocking call on a process's main thread by the nudge; one
+that no exception reaches is given up on after the grace: the pass writes what it owes, and
+a worker child is replaced. Real handlers, real threads and processes; timeouts of about a
+second (`timeout_seconds` is at least 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flask.testing import FlaskClient
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from db import queue
+from tests import supervisor_harness as harness
+from tests import test_processing
+from tests.factories import CreatedTask, MakeCompany, insert_company, insert_tasks, json_of
+from tests.supervisor_harness import RunningSupervisor, wait_for
+from tests.test_processing import Register, TopOfRange, rows, run_pass
+from worker import processing, tasktypes
+from worker.errors import HandlerTimeout, PermanentTaskError
+from worker.processing import outcome, timeouts
+from worker.tasktypes import send_email, sleep, webhook
+from worker.tasktypes.base import DEFAULT_TIMEOUT_SECONDS, TaskContext, TaskType
+from worker.tasktypes.noop import NoopPayload
+
+# The processing tests' fixtures: sessions on a fresh database, a task type per test.
+sessions = test_processing.sessions
+register = test_processing.register
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def spin(task: TaskContext) -> None:
+    """Never return: pure Python, which only an exception stops."""
+    n = 0
+    while True:
+        n += 1
+
+
+def set_timeout(sessions: sessionmaker[Session], ids: list[uuid.UUID], seconds: int) -> None:
+    """Give these tasks `timeout_seconds`."""
+    with sessions() as session:
+        session.execute(
+            text("UPDATE tasks SET timeout_seconds = :s WHERE id = ANY(:ids)"),
+            {"s": seconds, "ids": ids},
+        )
+        session.commit()
+
+
+# -- which timeout -------------------------------------------------------------------------
+
+
+def _claimed(task_type: str, payload: dict[str, Any], timeout_seconds: int | None) -> Any:
+    return queue.ClaimedTask(
+        uuid.uuid4(), uuid.uuid4(), task_type, payload, 1, 5, uuid.uuid4(),
+        dt.datetime.now(dt.UTC), timeout_seconds,
+    )  # fmt: skip
+
+
+def test_a_tasks_own_timeout_comes_first() -> None:
+    task = _claimed("sleep", {"seconds": 100}, 7)
+
+    assert timeouts.timeout_of(task, sleep.TASK_TYPE) == 7
+
+
+@pytest.mark.parametrize(
+    ("task_type", "payload", "expected"),
+    [
+        pytest.param(sleep.TASK_TYPE, {"seconds": 1.5}, 32, id="sleep: its seconds + 30"),
+        pytest.param(webhook.TASK_TYPE, {"url": "https://example.com"}, 60, id="webhook"),
+        pytest.param(send_email.TASK_TYPE, {"to": "a@example.com"}, 90, id="send_email"),
+        pytest.param(tasktypes.REGISTRY["noop"], {}, 60, id="others"),
+        # A payload its type's default cannot read: the generic default, never a failure.
+        pytest.param(sleep.TASK_TYPE, {}, DEFAULT_TIMEOUT_SECONDS, id="unreadable payload"),
+    ],
+)
+def test_an_old_task_without_a_timeout_gets_its_types_default(
+    task_type: TaskType, payload: dict[str, Any], expected: int
+) -> None:
+    assert timeouts.timeout_of(_claimed(task_type.name, payload, None), task_type) == expected
+
+
+def test_the_handler_is_given_its_timeout_and_deadline(
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
+) -> None:
+    seen: list[tuple[TaskContext, float]] = []
+    register("spy", lambda task: seen.append((task, time.monotonic())))
+    ids = insert_tasks(sessions, fresh_company_id, 1, task_type="spy")
+    set_timeout(sessions, ids, 7)
+
+    run_pass(sessions)
+
+    [(context, called_at)] = seen
+    assert context.timeout == 7
+    assert context.deadline is not None
+    assert 6 < context.deadline - called_at <= 7
+    remaining = context.remaining()
+    assert remaining is not None
+    assert remaining < 7
+    assert context.within_timeout(1) == 1
+
+
+# -- stopped at the timeout --------------------------------------------------------------
+
+
+def test_a_handler_that_never_returns_is_stopped_and_retried_with_its_timeout_in_last_error(
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
+) -> None:
+    register("spin", spin)
+    [spinning] = insert_tasks(sessions, fresh_company_id, 1, task_type="spin", newest_age_seconds=9)
+    [after] = insert_tasks(sessions, fresh_company_id, 1, task_type="noop")
+    set_timeout(sessions, [spinning], 1)
+    observer = test_processing.Recorder()
+
+    result = run_pass(sessions, observer=observer, rng=TopOfRange())
+
+    assert result == processing.PassResult(claimed=2, completed=1, retried=1)
+    stopped, done = rows(sessions, [spinning, after])
+    assert (stopped["status"], stopped["attempts"]) == ("pending", 1)
+    assert stopped["last_error"].startswith("timed out after 1.")
+    assert stopped["last_error"].endswith(" s (timeout 1 s): stopped")
+    # Backoff as usual: attempt 1 waits up to 2 s (TopOfRange: exactly).
+    assert stopped["run_after"] > stopped["db_now"]
+    assert stopped["lease_token"] is None
+    assert done["status"] == "completed"  # the pass went on with its batch
+    assert ("retried", "spin") in observer.calls
+
+
+def test_a_timeout_on_the_last_attempt_fails_the_task_for_good(
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
+) -> None:
+    register("spin", spin)
+    ids = insert_tasks(sessions, fresh_company_id, 1, task_type="spin", max_attempts=1)
+    set_timeout(sessions, ids, 1)
+
+    assert run_pass(sessions) == processing.PassResult(claimed=1, failed=1)
+
+    [stored] = rows(sessions, ids)
+    assert stored["status"] == "failed"
+    assert stored["last_error"].startswith("gave up after 1 attempts: timed out after 1.")
+
+
+def test_an_old_task_without_a_timeout_is_stopped_at_its_types_default(
+    sessions: sessionmaker[Session],
+    fresh_company_id: uuid.UUID,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(
+        tasktypes.REGISTRY,
+        "spin",
+        TaskType("spin", "test type", NoopPayload, spin, default_timeout=lambda payload: 1),
+    )
+    ids = insert_tasks(sessions, fresh_company_id, 1, task_type="spin")  # timeout_seconds NULL
+    assert rows(sessions, ids)[0]["timeout_seconds"] is None
+
+    assert run_pass(sessions) == processing.PassResult(claimed=1, retried=1)
+
+    assert "(timeout 1 s): stopped" in rows(sessions, ids)[0]["last_error"]
+
+
+def test_a_handler_that_fails_at_its_deadline_has_timed_out_but_a_permanent_error_stands(
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
+) -> None:
+    def give_up_at_deadline(task: TaskContext) -> None:
+        time.sleep(task.within_timeout(60))
+        if task.payload.get("permanent"):
+            raise PermanentTaskError("the peer said no")
+        raise ConnectionError("no answer in time")
+
+    register("patient", give_up_at_deadline)
+    [slow] = insert_tasks(sessions, fresh_company_id, 1, task_type="patient", newest_age_seconds=9)
+    [refused] = insert_tasks(
+        sessions, fresh_company_id, 1, task_type="patient", payload={"permanent": True}
+    )
+    set_timeout(sessions, [slow, refused], 1)
+
+    assert run_pass(sessions) == processing.PassResult(claimed=2, retried=1, failed=1)
+
+    slow_row, refused_row = rows(sessions, [slow, refused])
+    assert slow_row["last_error"].startswith("timed out after 1.")
+    assert slow_row["last_error"].endswith("(timeout 1 s): ConnectionError: no answer in time")
+    assert refused_row["last_error"] == "PermanentTaskError: the peer said no"
+
+
+def test_the_builtin_sleep_ends_at_its_timeout_and_is_retried(
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID
+) -> None:
+    ids = insert_tasks(sessions, fresh_company_id, 1, task_type="sleep", payload={"seconds": 30})
+    set_timeout(sessions, ids, 1)
+
+    assert run_pass(sessions) == processing.PassResult(claimed=1, retried=1)
+
+    [stored] = rows(sessions, ids)
+    assert "(timeout 1 s): TimeoutError: slept 1 s of 30 s" in stored["last_error"]
+
+
+@pytest.fixture
+def nudge() -> Iterator[None]:
+    """This process's main thread gets the nudge a worker child has (`install_nudge`)."""
+    previous = signal.getsignal(timeouts.NUDGE_SIGNAL)
+    processing.install_nudge()
+    yield
+    signal.signal(timeouts.NUDGE_SIGNAL, previous)
+
+
+@pytest.mark.usefixtures("nudge")
+@pytest.mark.parametrize("call", ["sleep", "recv", "lock"])
+def test_a_blocking_call_on_the_main_thread_is_interrupted_at_the_timeout(
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register, call: str
+) -> None:
+    left, right = socket.socketpair()
+    lock = threading.Lock()
+    lock.acquire()
+
+    def block(task: TaskContext) -> None:  # none of them honours the deadline
+        if call == "sleep":
+            time.sleep(30)
+        elif call == "recv":
+            left.recv(1)  # a read without a timeout, from a peer that never writes
+        else:
+            lock.acquire()
+
+    register("block", block)
+    ids = insert_tasks(sessions, fresh_company_id, 1, task_type="block")
+    set_timeout(sessions, ids, 1)
+    started = time.monotonic()
+    try:
+        result = run_pass(sessions)
+    finally:
+        left.close()
+        right.close()
+
+    assert result == processing.PassResult(claimed=1, retried=1)
+    assert time.monotonic() - started < 1 + timeouts.STOP_GRACE_SECONDS  # not given up on
+    assert rows(sessions, ids)[0]["last_error"].endswith("(timeout 1 s): stopped")
+
+
+def test_the_timeout_never_lands_outside_its_handler(
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
+) -> None:
+    """Handlers that return just at their timeout, many times: no stray `HandlerTimeout`."""
+
+    def return_at_deadline(task: TaskContext) -> None:
+        assert task.deadline is not None
+        while time.monotonic() < task.deadline:
+            pass
+
+    register("edge", return_at_deadline)
+    ids = insert_tasks(sessions, fresh_company_id, 3, task_type="edge")
+    set_timeout(sessions, ids, 1)
+
+    result = run_pass(sessions)  # a stray exception would escape the pass
+
+    assert result.claimed == 3
+    assert result.completed + result.retried == 3
+    assert {r["status"] for r in rows(sessions, ids)} <= {"completed", "pending"}
+
+
+# -- given up on: no exception reaches the handler -----------------------------------------
+
+
+def test_a_handler_that_cannot_be_stopped_is_given_up_on_and_the_pass_writes_what_it_owes(
+    sessions: sessionmaker[Session],
+    fresh_company_id: uuid.UUID,
+    register: Register,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(timeouts, "STOP_GRACE_SECONDS", 0.5)
+    released = threading.Event()
+    given_up: list[processing.Unstoppable] = []
+    ran: list[uuid.UUID] = []
+
+    def swallow_the_timeout(task: TaskContext) -> None:
+        # As a handler blocked in C would: no exception ends it, until the pass has given up.
+        while not released.is_set():
+            with contextlib.suppress(HandlerTimeout):
+                time.sleep(0.01)
+
+    def on_unstoppable(stuck: processing.Unstoppable) -> None:
+        given_up.append(stuck)
+        released.set()
+
+    register("stuck", swallow_the_timeout)
+    register("counted", lambda task: ran.append(task.task_id))
+    company = fresh_company_id
+    [before] = insert_tasks(sessions, company, 1, task_type="counted", newest_age_seconds=9)
+    [stuck] = insert_tasks(sessions, company, 1, task_type="stuck", newest_age_seconds=5)
+    after = insert_tasks(sessions, company, 2, task_type="counted")
+    set_timeout(sessions, [stuck], 1)
+
+    result = run_pass(sessions, rng=TopOfRange(), on_unstoppable=on_unstoppable)
+
+    assert result == processing.PassResult(claimed=4, completed=1, retried=1, released=2)
+    [report] = given_up
+    assert (report.task.id, report.timeout) == (stuck, 1)
+    assert report.ran >= 1.5  # its timeout, then the grace
+    assert ran == [before]  # nothing started after it
+    done, retried, *unstarted = rows(sessions, [before, stuck, *after])
+    assert done["status"] == "completed"
+    assert (retried["status"], retried["attempts"], retried["lease_token"]) == ("pending", 1, None)
+    assert retried["last_error"].startswith("timed out after 1.5")
+    assert retried["last_error"].endswith(
+        "(timeout 1 s): could not be stopped within 0.5 s (blocked outside Python, or "
+        "HandlerTimeout caught); given up"
+    )
+    # Handed back with their attempt undone: they run later, as if never claimed.
+    assert [(r["status"], r["attempts"]) for r in unstarted] == [("pending", 0)] * 2
+
+
+@pytest.fixture
+def timeout_worker(tmp_path: Path, fresh_db_url: str) -> Iterator[RunningSupervisor]:
+    """`python -m tests.timeout_worker` (the worker with `block_in_c`) on the fresh database.
+
+    As the `supervisor` fixture starts `python -m worker`: a stale window of a minute (no
+    task comes back by expiry within the test), one child, batches of 10.
+    """
+    workdir = tmp_path / "supervisor"
+    workdir.mkdir()
+    environment = {
+        **os.environ,
+        "DATABASE_URL": fresh_db_url,
+        "PROMETHEUS_MULTIPROC_DIR": str(workdir / "prometheus"),
+        **harness.FAST_ENV,
+        "STALE_AFTER_SECONDS": "60",
+    }
+    with (workdir / "stdout.log").open("wb") as out, (workdir / "stderr.log").open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.timeout_worker", "--metrics-port-file",
+             str(workdir / "metrics.port"), "--concurrency", "1", "--batch-size", "10"],
+            cwd=harness.ROOT, env=environment, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    running = RunningSupervisor(proc, workdir)
+    yield running
+    running.kill_all()
+
+
+@pytest.mark.slow
+def test_a_handler_blocked_in_c_past_its_timeout_gets_its_child_replaced_and_no_task_is_lost(
+    timeout_worker: RunningSupervisor, fresh_engine: Engine
+) -> None:
+    company = insert_company(fresh_engine).id
+    before = insert_tasks(fresh_engine, company, 3, task_type="noop", newest_age_seconds=20)
+    [blocked] = insert_tasks(
+        fresh_engine, company, 1, task_type="block_in_c", newest_age_seconds=10, max_attempts=2
+    )
+    after = insert_tasks(fresh_engine, company, 3, task_type="noop")
+    with fresh_engine.begin() as conn:
+        conn.execute(text("UPDATE tasks SET timeout_seconds = 1 WHERE id = :id"), {"id": blocked})
+    sup = timeout_worker
+    (first_child,) = sup.wait_ready(1)
+
+    def settled() -> bool:
+        return harness.status_counts(fresh_engine) == {"completed": 7}
+
+    wait_for(settled, 30, f"every task to complete:\n{sup.log()[-4000:]}")
+
+    # Recovered by the child itself and run by its successor, within seconds: the stale
+    # window is a minute.
+    row = harness.task_row(fresh_engine, blocked)
+    assert (row["attempts"], row["result"]) == (2, {"attempt": 2})
+    # The tasks completed before it stayed completed; the ones after it were handed back
+    # unstarted and run once, by the next child.
+    assert [harness.task_row(fresh_engine, t)["attempts"] for t in before + after] == [1] * 6
+    (second_child,) = sup.wait_children(1)
+    assert second_child != first_child
+    log = sup.log()
+    assert f"child {first_child} exited: task {blocked} (type block_in_c) was still running" in log
+    assert "its timeout of 1s long past, and could not be stopped" in log
+    assert "(TaskTimeout), retry in" in log  # the retry the child wrote before it exited
+    assert "likely out of memory" not in log
+    metrics = sup.metrics()
+    assert metrics["worker_child_restarts_total"] == 1
+    assert metrics["worker_child_timeouts_total"] == 0  # not hung: its threads ran on
+    sup.send(signal.SIGTERM)
+    assert sup.wait(15) == 0
+
+
+@pytest.mark.slow
+def test_once_gives_up_on_a_handler_blocked_in_c_and_exits_4_having_written_what_it_owed(
+    fresh_db_url: str, fresh_engine: Engine
+) -> None:
+    company = insert_company(fresh_engine).id
+    [blocked] = insert_tasks(
+        fresh_engine, company, 1, task_type="block_in_c", newest_age_seconds=10, max_attempts=2
+    )
+    after = insert_tasks(fresh_engine, company, 2, task_type="noop")
+    with fresh_engine.begin() as conn:
+        conn.execute(text("UPDATE tasks SET timeout_seconds = 1 WHERE id = :id"), {"id": blocked})
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.timeout_worker", "--once"],
+        cwd=harness.ROOT,
+        env={**os.environ, "DATABASE_URL": fresh_db_url, "STALE_AFTER_SECONDS": "60"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+    assert done.returncode == 4, done.stderr[-3000:]
+    assert f"task {blocked} (type block_in_c) was still running" in done.stderr
+    row = harness.task_row(fresh_engine, blocked)
+    assert (row["status"], row["attempts"], row["lease_token"]) == ("pending", 1, None)
+    assert "(timeout 1 s): could not be stopped within 5 s" in row["last_error"]
+    assert [
+        (harness.task_row(fresh_engine, t)["status"], harness.task_row(fresh_engine, t)["attempts"])
+        for t in after
+    ] == [("pending", 0)] * 2
+
+
+# -- POST /workers/process: a timeout there --------------------------------------------------
+
+
+@pytest.mark.usefixtures("quiet_processing_logs")
+def test_post_workers_process_stops_a_handler_at_its_timeout_and_answers(
+    client: FlaskClient,
+    make_company: MakeCompany,
+    created_task: CreatedTask,
+    admin_headers: dict[str, str],
+    register: Register,
+) -> None:
+    register("spin", spin)
+    company = make_company()
+    spinning = created_task(company, "spin", timeout_seconds=1)
+    noop = created_task(company)
+
+    response = client.post("/workers/process", headers=admin_headers)
+
+    assert json_of(response) == {
+        "claimed": 2, "completed": 1, "retried": 1, "failed": 0, "released": 0, "lease_lost": 0,
+    }  # fmt: skip
+    shown = json_of(
+        client.get(f"/companies/{company.id}/tasks/{spinning['id']}", headers=company.headers)
+    )
+    assert (shown["status"], shown["timeout_seconds"]) == ("pending", 1)
+    assert shown["last_error"].endswith("(timeout 1 s): stopped")
+    assert noop["timeout_seconds"] == 60
+
+
+@pytest.fixture
+def quiet_processing_logs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Keep the pass's per-task log lines out of the captured output."""
+    with caplog.at_level("WARNING", logger="fairq.worker.processing"):
+        yield
+
+
+# -- the rule, on its own ----------------------------------------------------------------
+
+
+def test_a_timed_out_attempt_is_retried_with_backoff_and_fails_once_attempts_are_used_up() -> None:
+    retry = outcome.timed_out(
+        timeout=1, ran=1.0123, detail="stopped", attempt=1, max_attempts=3, backoff=lambda a: 1.5
+    )
+    assert retry == outcome.Retry(
+        1.5, "timed out after 1.01 s (timeout 1 s): stopped", "TaskTimeout"
+    )
+
+    fail = outcome.timed_out(
+        timeout=30, ran=30.5, detail="stopped", attempt=3, max_attempts=3, backoff=math.sqrt
+    )
+    assert fail == outcome.Fail(
+        "gave up after 3 attempts: timed out after 30.50 s (timeout 30 s): stopped", "TaskTimeout"
+    )
