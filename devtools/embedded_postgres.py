@@ -14,6 +14,7 @@ do instead.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import pwd
@@ -45,10 +46,22 @@ def _bin_dir() -> Path:
 
 def free_port() -> int:
     """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """Return `count` distinct TCP ports on 127.0.0.1 that were free a moment ago.
+
+    All are held open until every one is picked: one at a time, the kernel may hand out the
+    same port twice.
+    """
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        for _ in range(count):
+            sock = held.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+        return ports
 
 
 @dataclass(frozen=True)

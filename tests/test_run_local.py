@@ -25,12 +25,14 @@ from pathlib import Path
 import pytest
 import requests
 
-from devtools.embedded_postgres import EmbeddedPostgres, free_port
+from devtools.embedded_postgres import EmbeddedPostgres, free_ports
 from tests import pg
 
 MARKER = "FAIRQ_RUN_LOCAL_TEST"
 BANNER = "fairq is running on"
 STATE_PREFIX = "run-local-"
+# The ports `make run` takes, each its own (`scripts/run_local.py`).
+PORT_VARIABLES = ("PORT", "WORKER_METRICS_PORT", "EMBEDDED_PG_PORT")
 
 
 def processes_with(marker: str) -> list[tuple[int, str]]:
@@ -180,11 +182,7 @@ def start_run(tmp_path: Path) -> Iterator[Callable[..., Run]]:
         ports: dict[str, int] | None = None,
     ) -> Run:
         marker = uuid.uuid4().hex
-        ports = ports or {
-            "PORT": free_port(),
-            "WORKER_METRICS_PORT": free_port(),
-            "EMBEDDED_PG_PORT": free_port(),
-        }
+        ports = ports or dict(zip(PORT_VARIABLES, free_ports(3), strict=True))
         environment = {
             k: v
             for k, v in os.environ.items()
@@ -246,7 +244,7 @@ def shared_state() -> Iterator[Path]:
 # -- before anything starts ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variable", ["PORT", "WORKER_METRICS_PORT", "EMBEDDED_PG_PORT"])
+@pytest.mark.parametrize("variable", PORT_VARIABLES)
 def test_a_busy_port_stops_the_run_before_it_starts_anything(
     start_run: Callable[..., Run], state_dir: Path, variable: str
 ) -> None:
@@ -254,8 +252,7 @@ def test_a_busy_port_stops_the_run_before_it_starts_anything(
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         busy = holder.getsockname()[1]
-        ports = {"PORT": free_port(), "WORKER_METRICS_PORT": free_port()}
-        ports["EMBEDDED_PG_PORT"] = free_port()
+        ports = dict(zip(PORT_VARIABLES, free_ports(3), strict=True))
         ports[variable] = busy
         run = start_run(state_dir, ports=ports)
         status = run.wait(30)
