@@ -17,6 +17,9 @@ _REQUEST_EXT = "fairq.database.request"
 PING_AFTER_IDLE_SECONDS = 1.0
 # libpq (and psycopg) take whole seconds and treat anything below 2 as 2.
 MIN_CONNECT_TIMEOUT_SECONDS = 2
+# The isolation of `session_factory()`'s transactions; the queue's statements are written
+# for it (db/queue.py: a conflicting key's row is read by a second statement's snapshot).
+TRANSACTION_ISOLATION = "READ COMMITTED"
 
 
 def init_app(
@@ -44,15 +47,16 @@ def init_app(
         # The most recently used connection first: under light load the surplus stays idle
         # (and is pinged once before its next use) instead of every connection going stale.
         pool_use_lifo=True,
+        # The request session's statements each commit on their own (no BEGIN, COMMIT or
+        # ROLLBACK round trips): every view's read or write is one statement (design §3).
+        # The pool's connections stay in autocommit, so a request's checkout sets nothing:
+        # switching a connection there and back at each request cost more than the checkout.
+        isolation_level="AUTOCOMMIT",
     )
-    factory = make_sessionmaker(engine)
+    # Work that must commit together: PostgreSQL's default level, set on each checkout.
+    factory = make_sessionmaker(engine.execution_options(isolation_level=TRANSACTION_ISOLATION))
     app.extensions[_EXT] = (engine, factory)
-    # The request session's statements each commit on their own (no BEGIN, COMMIT or
-    # ROLLBACK round trips): every view's read or write is one statement (design §3).
-    app.extensions[_REQUEST_EXT] = (
-        factory,
-        make_sessionmaker(engine.execution_options(isolation_level="AUTOCOMMIT")),
-    )
+    app.extensions[_REQUEST_EXT] = (factory, make_sessionmaker(engine))
     settings = app.config.get("FAIRQ_SETTINGS")
     timeout_ms = settings.ready_timeout_ms if settings is not None else 1000
     app.extensions[_PROBE_EXT] = make_engine(
@@ -73,7 +77,11 @@ def init_app(
 
 
 def engine_of(app: Flask) -> Engine:
-    """The pooled engine of `app` (views reach it through `session()`)."""
+    """The pooled engine of `app`, in autocommit (views reach it through `session()`).
+
+    Each statement on it commits by itself; a transaction takes a session of
+    `session_factory()`, on the same pool.
+    """
     pair: tuple[Engine, sessionmaker[Session]] = app.extensions[_EXT]
     return pair[0]
 

@@ -9,10 +9,16 @@ import uuid
 from typing import Any
 
 import pytest
+from flask import Flask, jsonify
 from flask.testing import FlaskClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from api.tasks.schemas import TaskPageSchema, TaskSchema, dump_tasks
+from db import queue
+from db.models import TaskStatus
 from tests.factories import (
     CompanyWithKey,
     CreatedTask,
@@ -348,3 +354,94 @@ def test_run_at_in_the_past_means_now_and_does_not_jump_the_queue(
     task = response.get_json()
     # Runnable at once, but eligible since its creation, not since 2001.
     assert task["run_after"] == task["created_at"]
+
+
+# -- serialization -----------------------------------------------------------------------------
+
+# Anything a jsonb column or a handler's result can hold.
+_json_values = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-(2**53), max_value=2**53),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=20),
+    ),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=15,
+)
+# Aware instants in any zone (fixed offsets, DST zones with either fold), as psycopg reads them.
+_instants = st.datetimes(
+    min_value=dt.datetime(1970, 1, 2),
+    max_value=dt.datetime(9998, 12, 31),
+    timezones=st.one_of(st.timezones(), st.just(dt.UTC)),
+    allow_imaginary=False,
+)
+_records = st.builds(
+    queue.TaskRecord,
+    id=st.uuids(),
+    company_id=st.uuids(),
+    type=st.text(min_size=1, max_size=30),
+    payload=st.dictionaries(st.text(max_size=10), _json_values, max_size=5),
+    status=st.sampled_from([status.value for status in TaskStatus]),
+    attempts=st.integers(0, 100),
+    max_attempts=st.integers(1, 100),
+    timeout_seconds=st.none() | st.integers(1, 86_400),
+    run_after=_instants,
+    idempotency_key=st.none() | st.text(min_size=1, max_size=30),
+    request_hash=st.none() | st.text(max_size=64),
+    last_error=st.none() | st.text(max_size=50),
+    created_at=_instants,
+    updated_at=_instants,
+    started_at=st.none() | _instants,
+    finished_at=st.none() | _instants,
+    result=_json_values,
+)
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(records=st.lists(_records, max_size=5))
+def test_dump_tasks_gives_what_the_task_schema_gives_for_any_task(
+    records: list[queue.TaskRecord],
+) -> None:
+    # The views answer with `dump_tasks`; the OpenAPI document describes `TaskSchema`.
+    assert dump_tasks(records) == TaskSchema().dump(records, many=True)
+
+
+def test_create_read_and_list_answer_the_schemas_bytes(
+    app: Flask, client: FlaskClient, company: CompanyWithKey, db_session: Session
+) -> None:
+    created = client.post(
+        tasks_url(company),
+        json={"type": "sleep", "payload": {"seconds": 1}, "max_attempts": 2},
+        headers={**company.headers, "Idempotency-Key": "bytes-1"},
+    )
+    replayed = client.post(
+        tasks_url(company),
+        json={"type": "sleep", "payload": {"seconds": 1}, "max_attempts": 2},
+        headers={**company.headers, "Idempotency-Key": "bytes-1"},
+    )
+    task_id = uuid.UUID(json_of(created)["id"])
+    read = client.get(tasks_url(company, f"/{task_id}"), headers=company.headers)
+    page = client.get(tasks_url(company, "?limit=5"), headers=company.headers)
+
+    record = queue.get_task(db_session, company.id, task_id)
+    with app.app_context():
+        # What flask-smorest sends for a schema's dump: `jsonify`.
+        one = jsonify(TaskSchema().dump(record)).get_data()
+        listed = jsonify(
+            TaskPageSchema().dump({"items": [record], "limit": 5, "offset": 0, "has_more": False})
+        ).get_data()
+    assert (created.status_code, replayed.status_code, read.status_code) == (201, 200, 200)
+    assert created.get_data() == replayed.get_data() == read.get_data() == one
+    assert page.get_data() == listed
+    assert created.headers["Location"].endswith(f"/tasks/{task_id}")
+    assert created.content_type == read.content_type == page.content_type == "application/json"

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-from flask import current_app, request, url_for
+from flask import Response, current_app, jsonify, request, url_for
 from flask.views import MethodView
 
 from api import auth, database, errors
@@ -59,6 +59,16 @@ def request_hash(body: dict[str, Any]) -> str:
         ensure_ascii=False,
     )
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def task_json(task: queue.TaskRecord) -> Response:
+    """The JSON response of one task: `TaskSchema`'s dump, serialized by `dump_tasks`.
+
+    flask-smorest passes a `Response` through as it is (status and headers still applied),
+    so the view's `@blp.response(..., TaskSchema)` only documents it. Flask's `jsonify`, as
+    on flask-smorest's own path, so the bytes are the same.
+    """
+    return jsonify(dump_tasks([task])[0])
 
 
 # Response headers of a create, as documented in the OpenAPI document.
@@ -129,8 +139,8 @@ class Tasks(MethodView):
         session.commit()
         location = url_for("tasks.TaskById", company_id=company_id, task_id=task.id)
         if created:
-            return task, 201, {"Location": location}
-        return task, 200, {"Location": location, "Idempotent-Replayed": "true"}
+            return task_json(task), 201, {"Location": location}
+        return task_json(task), 200, {"Location": location, "Idempotent-Replayed": "true"}
 
     @blp.doc(operationId="list_tasks")
     @auth.company_required()
@@ -139,15 +149,18 @@ class Tasks(MethodView):
     @blp.error(401, "Missing or invalid token.")
     @blp.error(403, "The admin token cannot act for a company.")
     @blp.error(404, "No such company, or not yours.")
-    def get(self, query: dict[str, Any], company_id: uuid.UUID) -> dict[str, Any]:
+    def get(self, query: dict[str, Any], company_id: uuid.UUID) -> Response:
         """List the company's tasks, newest first, with optional status and type filters."""
         items, has_more = queue.list_tasks(database.session(), company_id, **query)
-        return {
-            "items": items,
-            "limit": query["limit"],
-            "offset": query["offset"],
-            "has_more": has_more,
-        }
+        # `TaskPageSchema`'s dump, the items by `dump_tasks` (as `task_json`).
+        return jsonify(
+            {
+                "items": dump_tasks(items),
+                "limit": query["limit"],
+                "offset": query["offset"],
+                "has_more": has_more,
+            }
+        )
 
 
 P = ParamSpec("P")
@@ -254,9 +267,9 @@ class TaskById(MethodView):
     @blp.error(401, "Missing or invalid token.")
     @blp.error(403, "The admin token cannot act for a company.")
     @blp.error(404, "No such task, or not yours.")
-    def get(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Any:
+    def get(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Response:
         """Read one task."""
-        return queue.get_task(database.session(), company_id, task_id)
+        return task_json(queue.get_task(database.session(), company_id, task_id))
 
 
 @blp.route("/tasks/<uuid:task_id>/cancel")
