@@ -142,7 +142,7 @@ def authenticate() -> Principal:
         cache = key_cache(current_app)
         company_id = cache.get(key_hash)
         if company_id is None:
-            company_id = companies.find_company_id_by_key_hash(database.session(), key_hash)
+            company_id = companies.find_company_id_by_key_hash(database.connection(), key_hash)
             if company_id is None:
                 _unauthorized("invalid bearer token")
                 raise AssertionError("unreachable")  # abort raises; this satisfies mypy

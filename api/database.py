@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import psycopg
 from flask import Flask, current_app, g
-from sqlalchemy import Engine, pool
+from sqlalchemy import Engine, PoolProxiedConnection, pool
 from sqlalchemy.orm import Session, sessionmaker
 
-from db.engine import make_engine, make_sessionmaker
+from db.engine import driver_connection, make_engine, make_sessionmaker
 
 _EXT = "fairq.database"
 _PROBE_EXT = "fairq.database.probe"
@@ -71,6 +73,7 @@ def init_app(
 
     @app.teardown_appcontext
     def _close_session(_exc: BaseException | None) -> None:
+        _release_connection()
         session: Session | None = g.pop("db_session", None)
         if session is not None:
             session.close()
@@ -108,10 +111,59 @@ def session() -> Session:
     """
     current: Session | None = g.get("db_session")
     if current is None:
+        # One pooled connection per request at a time: `connection()`'s goes back first.
+        _release_connection()
         pair: tuple[Engine, sessionmaker[Session]] = current_app.extensions[_EXT]
         own, autocommit = current_app.extensions[_REQUEST_EXT]
         current = g.db_session = (autocommit if pair[1] is own else pair[1])()
     return current
+
+
+def connection() -> psycopg.Connection[Any]:
+    """The request's psycopg connection, in autocommit: each statement commits by itself.
+
+    For work of one statement that needs no ORM (a task's create, read and list, the API
+    key lookup), sent with `db.engine.driver_errors`: no session, no SQLAlchemy connection
+    or result around it. Checked out of the app's pool on first use and returned at
+    teardown, or when the request then opens `session()`; one the server dropped meanwhile
+    is discarded instead of returned. Once the request has a session, or when a session
+    factory is installed in place of the app's own (tests join sessions to an outer
+    transaction), it is that session's connection.
+    """
+    raw: PoolProxiedConnection | None = g.get("db_connection")
+    if raw is None:
+        pair: tuple[Engine, sessionmaker[Session]] = current_app.extensions[_EXT]
+        own, _autocommit = current_app.extensions[_REQUEST_EXT]
+        if pair[1] is not own or "db_session" in g:
+            return driver_connection(session(), transaction=False)
+        raw = g.db_connection = pair[0].raw_connection()
+    driver = raw.driver_connection
+    assert isinstance(driver, psycopg.Connection)
+    return driver
+
+
+def commit() -> None:
+    """Commit what the request wrote: its session's work, if it opened one.
+
+    `connection()` is in autocommit: its statements have committed already. A view that
+    writes through it calls this all the same, so its writes commit too where `connection()`
+    is a session's (a session factory installed in place of the app's own: tests).
+    """
+    current: Session | None = g.get("db_session")
+    if current is not None:
+        current.commit()
+
+
+def _release_connection() -> None:
+    raw: PoolProxiedConnection | None = g.pop("db_connection", None)
+    if raw is None:
+        return
+    driver = raw.driver_connection
+    if isinstance(driver, psycopg.Connection) and driver.broken:
+        # Lost mid-request (a restart, a dropped network): the pool replaces it.
+        raw.invalidate()
+    else:
+        raw.close()
 
 
 def session_factory() -> sessionmaker[Session]:

@@ -10,6 +10,7 @@ from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.orm import Session
 
 from db import errors, queue
+from db.engine import Executor, driver_connection, driver_errors
 from db.models import Company
 
 
@@ -189,13 +190,15 @@ def _require_transaction(session: Session, what: str) -> None:
 _COMPANY_ID_BY_KEY_HASH = "SELECT id FROM companies WHERE api_key_hash = %(hash)s"
 
 
-def find_company_id_by_key_hash(session: Session, api_key_hash: str) -> uuid.UUID | None:
+def find_company_id_by_key_hash(where: Executor, api_key_hash: str) -> uuid.UUID | None:
     """The id of the company whose API key hashes to `api_key_hash`, or None.
 
     Authentication's lookup: one indexed read (the unique constraint on `api_key_hash`),
-    sent as plain SQL with no ORM object built.
+    sent to psycopg directly. `where`: a session, or a psycopg connection (the API's).
     """
-    result = session.connection().exec_driver_sql(_COMPANY_ID_BY_KEY_HASH, {"hash": api_key_hash})
-    found = result.scalar_one_or_none()
+    driver = driver_connection(where, transaction=False)
+    with driver_errors("find_company_id_by_key_hash"):
+        row = driver.execute(_COMPANY_ID_BY_KEY_HASH, {"hash": api_key_hash}).fetchone()
+    found = None if row is None else row[0]
     assert found is None or isinstance(found, uuid.UUID)  # psycopg loads uuid as UUID
     return found

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -111,3 +114,41 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, OperationalError | InterfaceError | psycopg.OperationalError):
         return True
     return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
+
+# Where a statement sent to psycopg directly runs: a session (its connection, in its
+# transaction) or a psycopg connection itself (the API's request connection, in autocommit).
+Executor = Session | psycopg.Connection[Any]
+
+
+def driver_connection(where: Executor, *, transaction: bool = True) -> psycopg.Connection[Any]:
+    """The psycopg connection of `where`, for statements that need neither ORM nor Core.
+
+    The claim, the completions and the API's one-statement reads and writes go to psycopg
+    directly: SQLAlchemy's per-statement work was a fifth of a claim's time and of a task
+    create's (decisions 0002, 0005). Send them inside `driver_errors`. `transaction`:
+    refuse a connection in autocommit (raises `RuntimeError`).
+    """
+    driver: object = where
+    if isinstance(where, Session):
+        driver = where.connection().connection.driver_connection
+    assert isinstance(driver, psycopg.Connection)
+    if transaction and driver.autocommit:
+        # Each statement would be a transaction of its own: a lock or a pinned plan would
+        # end with the first one.
+        raise RuntimeError("this needs a transaction; the connection is in autocommit")
+    return driver
+
+
+@contextlib.contextmanager
+def driver_errors(what: str) -> Iterator[None]:
+    """Raise a psycopg error of a statement sent to the driver as SQLAlchemy would.
+
+    Callers handle database errors as `sqlalchemy.exc.DBAPIError` (the child's retry, the
+    `--once` and API error handlers); statements sent to psycopg directly would escape them.
+    `what` names the statement in the error's text, in place of its SQL.
+    """
+    try:
+        yield
+    except psycopg.Error as exc:
+        raise sa_exc.DBAPIError.instance(what, None, exc, psycopg.Error) from exc

@@ -12,20 +12,19 @@ from the database clock (`now()`), never from Python.
 from __future__ import annotations
 
 import collections
-import contextlib
 import datetime as dt
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import psycopg
 from psycopg.types.json import Jsonb
 from sqlalchemy import CursorResult, func, text, update
-from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from db import errors, fair_share
+from db.engine import Executor, driver_connection, driver_errors
 from db.models import Task, TaskStatus
 
 # ---------------------------------------------------------------------------------------------
@@ -113,7 +112,7 @@ def _record(row: Sequence[Any]) -> TaskRecord:
 
 
 def create_task(
-    session: Session,
+    where: Executor,
     *,
     company_id: uuid.UUID,
     type: str,
@@ -132,9 +131,10 @@ def create_task(
     existing task is returned with `created=False`, or `errors.IdempotencyKeyReused` is raised
     when its `request_hash` differs (IETF Idempotency-Key draft, section 2.7).
     `NOTIFY notify_channel` is sent by the insert's own statement, in the caller's
-    transaction, so it fires only on commit. A new task costs one statement.
+    transaction, so it fires only on commit. A new task costs one statement. `where`: a
+    session, or a psycopg connection (the API's, in autocommit: the statement commits).
     """
-    connection = session.connection()
+    driver = driver_connection(where, transaction=False)
     params: dict[str, Any] = {
         "company_id": company_id,
         "type": type,
@@ -149,10 +149,11 @@ def create_task(
     # The conflicting row can vanish between the INSERT and the read (retention deleted it,
     # or its inserter rolled back): then the key is free again, so insert once more.
     for _ in range(_CREATE_ATTEMPTS):
-        row = connection.exec_driver_sql(_INSERT_TASK, params).first()
+        with driver_errors("create_task"):
+            row = driver.execute(_INSERT_TASK, params).fetchone()
         if row is not None:
             return _record(row), True
-        existing = _existing_for_key(session, company_id, idempotency_key)
+        existing = _existing_for_key(driver, company_id, idempotency_key)
         if existing is not None:
             if existing.request_hash != request_hash:
                 raise errors.IdempotencyKeyReused(
@@ -167,15 +168,12 @@ _CREATE_ATTEMPTS = 3
 
 
 def _existing_for_key(
-    session: Session, company_id: uuid.UUID, key: str | None
+    driver: psycopg.Connection[Any], company_id: uuid.UUID, key: str | None
 ) -> TaskRecord | None:
     # READ COMMITTED: ON CONFLICT waited for the other inserter to commit, so this new
     # statement sees its row, unless it was deleted in between.
-    row = (
-        session.connection()
-        .exec_driver_sql(_TASK_BY_KEY, {"company_id": company_id, "key": key})
-        .first()
-    )
+    with driver_errors("task_by_key"):
+        row = driver.execute(_TASK_BY_KEY, {"company_id": company_id, "key": key}).fetchone()
     return None if row is None else _record(row)
 
 
@@ -303,8 +301,8 @@ def create_tasks(
             repeats[index] = first
     found: dict[int, tuple[TaskRecord, bool]] = {}
     todo = [index for index in range(len(tasks)) if index not in repeats]
-    with _driver_errors("create_tasks"):
-        driver = _driver(session, transaction=False)
+    with driver_errors("create_tasks"):
+        driver = driver_connection(session, transaction=False)
         if driver.autocommit:
             raise RuntimeError("create_tasks needs a transaction: a batch is all or nothing")
         for _ in range(_CREATE_ATTEMPTS):
@@ -350,20 +348,21 @@ def _insert_tasks(
     return cursor.execute(_INSERT_TASKS, params, prepare=False).fetchall()
 
 
-def get_task(session: Session, company_id: uuid.UUID, task_id: uuid.UUID) -> TaskRecord:
-    """The company's task. Raises `errors.NotFound` if absent or owned by another company."""
-    row = (
-        session.connection()
-        .exec_driver_sql(_TASK_BY_ID, {"id": task_id, "company_id": company_id})
-        .first()
-    )
+def get_task(where: Executor, company_id: uuid.UUID, task_id: uuid.UUID) -> TaskRecord:
+    """The company's task. Raises `errors.NotFound` if absent or owned by another company.
+
+    `where`: a session, or a psycopg connection (the API's request connection).
+    """
+    driver = driver_connection(where, transaction=False)
+    with driver_errors("get_task"):
+        row = driver.execute(_TASK_BY_ID, {"id": task_id, "company_id": company_id}).fetchone()
     if row is None:
         raise errors.NotFound("task not found")
     return _record(row)
 
 
 def list_tasks(
-    session: Session,
+    where: Executor,
     company_id: uuid.UUID,
     *,
     status: str | None = None,
@@ -373,13 +372,16 @@ def list_tasks(
 ) -> tuple[list[TaskRecord], bool]:
     """One page of the company's tasks, newest first; return `(items, has_more)`.
 
-    Ordered by `(created_at DESC, id DESC)` (served by `ix_tasks_company_listing`).
+    Ordered by `(created_at DESC, id DESC)` (served by `ix_tasks_company_listing`). `where`:
+    a session, or a psycopg connection (the API's request connection).
     """
     params = {
         "company_id": company_id, "status": status, "type": type,
         "limit": limit + 1, "offset": offset,
     }  # fmt: skip
-    rows = [_record(row) for row in session.connection().exec_driver_sql(_LIST_TASKS, params)]
+    driver = driver_connection(where, transaction=False)
+    with driver_errors("list_tasks"):
+        rows = [_record(row) for row in driver.execute(_LIST_TASKS, params)]
     return rows[:limit], len(rows) > limit
 
 
@@ -732,21 +734,8 @@ def claim(
     `batch_size` companies are read from the ring's index, and each company's tasks from an
     index range that stops after its share (docs/design.md, "The claim").
     """
-    with _driver_errors("claim"):
-        return _claim(_driver(session), worker_id, batch_size)
-
-
-@contextlib.contextmanager
-def _driver_errors(what: str) -> Iterator[None]:
-    """Raise a psycopg error of a statement sent to the driver as SQLAlchemy would.
-
-    Callers handle database errors as `sqlalchemy.exc.DBAPIError` (the child's retry, the
-    `--once` and API error handlers); statements sent to psycopg directly would escape them.
-    """
-    try:
-        yield
-    except psycopg.Error as exc:
-        raise sa_exc.DBAPIError.instance(what, None, exc, psycopg.Error) from exc
+    with driver_errors("claim"):
+        return _claim(driver_connection(session), worker_id, batch_size)
 
 
 def _claim(
@@ -795,22 +784,6 @@ def claim_parameters(worker_id: str, allocation: fair_share.Allocation) -> dict[
         "cursor_position": allocation.cursor.ring_position,
         "cursor_credit": allocation.cursor.credit,
     }
-
-
-def _driver(session: Session, *, transaction: bool = True) -> psycopg.Connection[Any]:
-    """The session's psycopg connection, for the statements a worker runs per batch.
-
-    The claim and the completions go to psycopg directly, in the session's transaction:
-    their rows need no ORM, and SQLAlchemy's per-statement work was a fifth of the claim's
-    time. `transaction`: refuse a connection in autocommit.
-    """
-    driver = session.connection().connection.driver_connection
-    assert isinstance(driver, psycopg.Connection)
-    if transaction and driver.autocommit:
-        # Each statement would be a transaction of its own: the claimers' lock and the
-        # pinned plan would end with the first one.
-        raise RuntimeError("the claim needs a transaction; the connection is in autocommit")
-    return driver
 
 
 def _contenders(
@@ -1053,8 +1026,8 @@ def complete_tasks(
     """
     if not leases:
         return set()
-    with _driver_errors("complete_tasks"):
-        driver = _driver(session, transaction=False)
+    with driver_errors("complete_tasks"):
+        driver = driver_connection(session, transaction=False)
         if results is None or all(result is None for result in results):
             rows = driver.execute(_COMPLETE, _unzip(leases))
         else:

@@ -15,7 +15,9 @@ environment (default 2 x 4). Both servers run the whole time; one keep-alive cli
 
 Rounds alternate every variant (`--rounds`), so background load on a shared box falls on both
 sides alike. It prints requests/s and client-side p50/p95/p99 (ms) per variant and round, the
-ratio of each to the same round's `bare`, and the medians over the rounds. Requests that do
+ratio of each to the same round's `bare`, the CPU time the server's processes (gunicorn's
+arbiter and workers, read from /proc; PostgreSQL's not included) spent per request, which
+background load hardly moves, and the medians over the rounds. Requests that do
 not answer 2xx are counted and printed; the run fails if there is any. `LOG_LEVEL` is INFO
 (the default: the API's one line per request, written to a file here) unless set.
 
@@ -97,6 +99,21 @@ def bare_server(workdir: Path, env: Mapping[str, str]) -> Iterator[stack.ApiServ
         server.stop()
 
 
+def process_tree_cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU seconds of `pid` and its children (Linux /proc), None elsewhere."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        for process in (pid, *map(int, children)):
+            # Fields after the command's closing parenthesis; utime and stime are 14 and 15.
+            fields = Path(f"/proc/{process}/stat").read_text().rpartition(")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks
+    except (OSError, ValueError):
+        return None
+    return total
+
+
 @dataclass
 class Sample:
     """What one variant's clients saw in one round."""
@@ -104,6 +121,16 @@ class Sample:
     latencies: list[float] = field(default_factory=list)
     failures: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    # Server CPU seconds over the whole load (warm-up included) and the requests it answered.
+    server_cpu: float | None = None
+    requests: int = 0
+
+    @property
+    def cpu_ms_per_request(self) -> float | None:
+        """Server CPU ms per answered request, warm-up included."""
+        if self.server_cpu is None or not self.requests:
+            return None
+        return self.server_cpu / self.requests * 1000
 
     @property
     def rate(self) -> float:
@@ -121,9 +148,13 @@ class Sample:
 Request = Callable[[requests.Session, int], requests.Response]
 
 
-def _load(request: Request, clients: int, seconds: float, warmup: float) -> Sample:
-    """`clients` threads send `request` back to back; only the window after `warmup` counts."""
+def _load(request: Request, clients: int, seconds: float, warmup: float, server_pid: int) -> Sample:
+    """`clients` threads send `request` back to back; only the window after `warmup` counts.
+
+    The server's CPU time is taken over every request sent, warm-up included.
+    """
     sample = Sample()
+    cpu_before = process_tree_cpu_seconds(server_pid)
     lock = threading.Lock()
     start = time.monotonic() + warmup
     end = start + seconds
@@ -131,9 +162,11 @@ def _load(request: Request, clients: int, seconds: float, warmup: float) -> Samp
     def client(n: int) -> None:
         latencies: list[float] = []
         failures: dict[str, int] = {}
+        sent = 0
         with requests.Session() as session:
             i = 0
             while (now := time.monotonic()) < end:
+                sent += 1
                 i += 1
                 response = request(session, n * 1_000_000 + i)
                 done = time.monotonic()
@@ -144,6 +177,7 @@ def _load(request: Request, clients: int, seconds: float, warmup: float) -> Samp
                         status = str(response.status_code)
                         failures[status] = failures.get(status, 0) + 1
         with lock:
+            sample.requests += sent
             sample.latencies.extend(latencies)
             for status, count in failures.items():
                 sample.failures[status] = sample.failures.get(status, 0) + count
@@ -153,6 +187,9 @@ def _load(request: Request, clients: int, seconds: float, warmup: float) -> Samp
         thread.start()
     for thread in threads:
         thread.join()
+    cpu_after = process_tree_cpu_seconds(server_pid)
+    if cpu_before is not None and cpu_after is not None:
+        sample.server_cpu = cpu_after - cpu_before
     sample.seconds = seconds
     return sample
 
@@ -215,13 +252,18 @@ def _seed(api_url: str, companies: list[stack.Company], per_company: int) -> dic
     return found
 
 
+def _cpu(ms: float | None) -> str:
+    return f"server CPU {ms:5.2f} ms/req" if ms is not None else "server CPU    -"
+
+
 def _row(name: str, sample: Sample, bare: Sample | None) -> str:
     p50, p95, p99 = (sample.percentile(q) for q in PERCENTILES)
     ratio = f"{sample.rate / bare.rate:5.2f}x" if bare is not None and bare.rate else "   -  "
     failed = f"  non-2xx {sample.failures}" if sample.failures else ""
     return (
         f"  {name:<7} {sample.rate:8.0f} req/s  {ratio}  "
-        f"p50 {p50:6.1f}  p95 {p95:6.1f}  p99 {p99:6.1f} ms{failed}"
+        f"p50 {p50:6.1f}  p95 {p95:6.1f}  p99 {p99:6.1f} ms  "
+        f"{_cpu(sample.cpu_ms_per_request)}{failed}"
     )
 
 
@@ -263,7 +305,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {n}:")
             samples: dict[str, Sample] = {}
             for variant in variants:
-                samples[variant] = _load(calls[variant], args.clients, args.seconds, args.warmup)
+                server = bare if variant == "bare" else api
+                samples[variant] = _load(
+                    calls[variant], args.clients, args.seconds, args.warmup, server.pid
+                )
                 results[variant].append(samples[variant])
             for variant in variants:
                 print(_row(variant, samples[variant], samples.get("bare")))
@@ -287,9 +332,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             p50, p95, p99 = (pooled[variant].percentile(q) for q in PERCENTILES)
             ratio = f"{statistics.median(ratios):5.2f}x" if ratios else "   -  "
+            cpu = [c for s in results[variant] if (c := s.cpu_ms_per_request) is not None]
             print(
                 f"  {variant:<7} {rate:8.0f} req/s  {ratio}  "
-                f"p50 {p50:6.1f}  p95 {p95:6.1f}  p99 {p99:6.1f} ms"
+                f"p50 {p50:6.1f}  p95 {p95:6.1f}  p99 {p99:6.1f} ms  "
+                f"{_cpu(statistics.median(cpu) if cpu else None)}"
             )
         print(f"load average {os.getloadavg()[0]:.2f} at end")
         failed = any(s.failures for s in pooled.values())

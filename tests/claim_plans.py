@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from db import fair_share, queue
+from db.engine import driver_connection
 
 
 def plan_nodes(
@@ -28,7 +29,7 @@ def explain(
     The statement runs after `_SERIALIZE_CLAIMERS`, whose planner settings it is written for.
     """
     options = "ANALYZE, BUFFERS, FORMAT JSON" if analyze else "FORMAT JSON"
-    connection = queue._driver(session)
+    connection = driver_connection(session)
     savepoint = session.begin_nested()
     try:
         connection.execute(queue._SERIALIZE_CLAIMERS, {"key": queue.CLAIM_LOCK_KEY})
@@ -51,7 +52,7 @@ def first_round_params(session: Session, batch_size: int, worker_id: str) -> dic
     Takes the claimers' lock and pins the plan first (`_SERIALIZE_CLAIMERS`), and promotes
     due companies (`_CONTENDERS`), as the claim does before its `_CLAIM`.
     """
-    connection = queue._driver(session)
+    connection = driver_connection(session)
     connection.execute(queue._SERIALIZE_CLAIMERS, {"key": queue.CLAIM_LOCK_KEY})
     contenders, credit = queue._contenders(connection, batch_size, exclude=[])
     allocation = fair_share.allocate(contenders, batch_size, credit)

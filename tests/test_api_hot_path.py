@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -55,28 +56,81 @@ def own_app(fresh_db_url: str) -> Iterator[Flask]:
 
 
 class Statements:
-    """What the app's engine sent: each statement, whether its connection was in autocommit."""
+    """What the app's connections sent, read from libpq's protocol trace: one entry per round
+    trip (up to the server's ReadyForQuery), its first statement's text and whether the
+    server was outside a transaction after it (autocommit: no BEGIN before, no COMMIT after).
 
-    def __init__(self, engine: Engine) -> None:
-        self.sent: list[tuple[str, bool]] = []
+    The trace is the wire itself, so statements sent to psycopg directly and SQLAlchemy's
+    alike are seen, and so are pings. Every connection the pool hands out is traced.
+    """
+
+    def __init__(self, engine: Engine, trace_path: Path) -> None:
         self.pings = 0
-        event.listen(engine, "before_cursor_execute", self._before)
+        self._path = trace_path
+        self._file = trace_path.open("w")
+        self._start = 0
+        self._traced: list[psycopg.pq.abc.PGconn] = []
+        event.listen(engine, "checkout", self._trace)
 
-    def _before(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        driver = conn.connection.driver_connection
-        self.sent.append((" ".join(statement.split())[:60], bool(driver.autocommit)))
+    def _trace(self, dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        if not any(pgconn is dbapi_connection.pgconn for pgconn in self._traced):
+            self._traced.append(dbapi_connection.pgconn)
+            self._start_trace(dbapi_connection.pgconn)
+
+    def _start_trace(self, pgconn: psycopg.pq.abc.PGconn) -> None:
+        pgconn.trace(self._file.fileno())
+        pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+
+    def _flush(self) -> str:
+        # libpq writes through a buffered stream of its own, flushed when tracing stops.
+        for pgconn in self._traced:
+            pgconn.untrace()
+            self._start_trace(pgconn)
+        return self._path.read_text()
+
+    @property
+    def sent(self) -> list[tuple[str, bool]]:
+        """`(first statement, autocommit)` per round trip since the last `clear()`."""
+        trips: list[tuple[str, bool]] = []
+        texts: list[str] = []
+        for message in self._messages():
+            direction, kind, body = message
+            if direction == "F" and kind in ("Query", "Parse"):
+                # Query "sql" / Parse "name" "sql" ...: the statement is the last quoted text.
+                texts.append(body.split('"')[-2] if kind == "Parse" else body.strip()[1:-1])
+            elif direction == "B" and kind == "ReadyForQuery":
+                first = " ".join(texts[0].split())[:60] if texts else ""
+                trips.append((first, body.strip() == "I"))
+                texts.clear()
+        return trips
+
+    def _messages(self) -> list[tuple[str, str, str]]:
+        text = self._flush()[self._start :]
+        messages: list[tuple[str, str, str]] = []
+        for line in text.splitlines():
+            fields = line.split("\t", 3)
+            if len(fields) >= 3 and fields[0] in ("F", "B"):
+                messages.append((fields[0], fields[2], fields[3] if len(fields) > 3 else ""))
+            elif messages:  # a statement's text goes on over several lines
+                direction, kind, body = messages[-1]
+                messages[-1] = (direction, kind, f"{body}\n{line}")
+        return messages
 
     def clear(self) -> None:
         """Forget what was sent so far."""
-        self.sent.clear()
+        self._start = len(self._flush())
         self.pings = 0
 
 
 @pytest.fixture
-def statements(own_app: Flask, monkeypatch: pytest.MonkeyPatch) -> Statements:
-    """Statements of `own_app`'s engine, and its pings, from now on."""
+def statements(
+    own_app: Flask, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> Iterator[Statements]:
+    """Round trips of `own_app`'s engine, and its pings, from now on."""
     engine = database.engine_of(own_app)
-    seen = Statements(engine)
+    # Connections opened before would go untraced: the trace starts on a fresh pool.
+    engine.dispose()
+    seen = Statements(engine, tmp_path / "libpq-trace.txt")
     ping = engine.dialect.do_ping
 
     def counted(dbapi_connection: Any) -> bool:
@@ -84,7 +138,8 @@ def statements(own_app: Flask, monkeypatch: pytest.MonkeyPatch) -> Statements:
         return ping(dbapi_connection)
 
     monkeypatch.setattr(engine.dialect, "do_ping", counted)
-    return seen
+    yield seen
+    engine.dispose()
 
 
 def _own_company(app: Flask) -> CompanyWithKey:

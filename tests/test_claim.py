@@ -21,7 +21,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from db import queue
-from db.engine import make_engine, make_sessionmaker
+from db.engine import driver_connection, make_engine, make_sessionmaker
 from tests import claim_plans
 from tests.factories import (
     MakeCompany,
@@ -570,7 +570,7 @@ def _interfere(kind: str, session: Session, task: uuid.UUID, company: uuid.UUID)
         # Another claimer's statement without the serializing advisory lock (as a claimer
         # that took no lock, or another deployment, would): it takes the task and commits.
         taken = (
-            queue._driver(session)
+            driver_connection(session)
             .execute(
                 _CLAIM,  # the real one, also while the gated claimer runs the naive one
                 {

@@ -30,7 +30,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from db import errors, queue
-from db.engine import make_engine, make_sessionmaker
+from db.engine import driver_connection, make_engine, make_sessionmaker
 from tests import claim_plans, pg
 from tests.factories import (
     MakeCompany,
@@ -654,7 +654,7 @@ def test_settling_a_company_without_its_wake_up_lock_would_lose_a_task_being_ins
     company, _ = _ready_with_nothing_pending(sessions)
     with sessions() as claimer, sessions() as writer:
         task, _ = queue.create_task(writer, company_id=company, type="noop", payload={})
-        queue._driver(claimer).execute(queue._SETTLE, {"company_ids": [company]})
+        driver_connection(claimer).execute(queue._SETTLE, {"company_ids": [company]})
         claimer.commit()
         writer.commit()
 

@@ -30,7 +30,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from db import companies, errors, queue
-from db.engine import make_engine, make_sessionmaker
+from db.engine import driver_connection, make_engine, make_sessionmaker
 from tests import claim_plans
 from tests.factories import (
     MakeCompany,
@@ -460,7 +460,7 @@ def test_a_pause_waits_for_the_claim_that_read_the_ring_before_it_and_no_later_c
         pausing = start_pause(fresh_db_url, paused, companies.pause_company)
         waits = wait_for(lambda: pauser_waits_on(fresh_engine), 5, "the pause to wait")
         assert waits == ("advisory" if in_ring else "transactionid")
-        in_flight = queue._driver(claimer).execute(queue._CLAIM, params).fetchall()
+        in_flight = driver_connection(claimer).execute(queue._CLAIM, params).fetchall()
         claimer.commit()
         pausing.finish()
         assert pausing.error is None
@@ -487,7 +487,7 @@ def test_without_the_claimers_lock_a_pause_would_let_the_claim_in_flight_take_ta
         with sessions() as reader:
             before = claimed_so_far(reader, paused)
 
-        in_flight = queue._driver(claimer).execute(queue._CLAIM, params).fetchall()
+        in_flight = driver_connection(claimer).execute(queue._CLAIM, params).fetchall()
         claimer.commit()
 
         after_the_pause = {row[0] for row in in_flight if row[1] == paused}
@@ -518,7 +518,7 @@ def test_a_claim_that_finds_the_pausing_company_short_leaves_it_to_the_pause(
     with sessions() as claimer:
         params = claim_plans.first_round_params(claimer, 10, "race:1")
         assert company in params["company_ids"]
-        driver = queue._driver(claimer)
+        driver = driver_connection(claimer)
         assert driver.execute(queue._CLAIM, params).fetchall() == []  # short
 
         pausing = start_pause(fresh_db_url, company, companies.pause_company)
@@ -550,7 +550,7 @@ def test_without_the_wake_up_lock_that_claim_and_the_pause_would_deadlock(
     company = _ready_and_short(sessions)
     with sessions() as claimer:
         params = claim_plans.first_round_params(claimer, 10, "race:1")
-        driver = queue._driver(claimer)
+        driver = driver_connection(claimer)
         assert driver.execute(queue._CLAIM, params).fetchall() == []
 
         pausing = start_pause(fresh_db_url, company, pause_without_wake_up_lock)

@@ -123,9 +123,8 @@ class Tasks(MethodView):
     def post(self, headers: dict[str, Any], body: dict[str, Any], company_id: uuid.UUID) -> Any:
         """Create a task (optionally idempotent with an Idempotency-Key header)."""
         key = headers.get("idempotency_key")
-        session = database.session()
         task, created = queue.create_task(
-            session,
+            database.connection(),
             company_id=company_id,
             type=body["type"],
             payload=body["payload"],
@@ -136,7 +135,7 @@ class Tasks(MethodView):
             request_hash=request_hash(body) if key is not None else None,
             notify_channel=current_app.config["FAIRQ_SETTINGS"].notify_channel,
         )
-        session.commit()
+        database.commit()
         location = url_for("tasks.TaskById", company_id=company_id, task_id=task.id)
         if created:
             return task_json(task), 201, {"Location": location}
@@ -151,7 +150,7 @@ class Tasks(MethodView):
     @blp.error(404, "No such company, or not yours.")
     def get(self, query: dict[str, Any], company_id: uuid.UUID) -> Response:
         """List the company's tasks, newest first, with optional status and type filters."""
-        items, has_more = queue.list_tasks(database.session(), company_id, **query)
+        items, has_more = queue.list_tasks(database.connection(), company_id, **query)
         # `TaskPageSchema`'s dump, the items by `dump_tasks` (as `task_json`).
         return jsonify(
             {
@@ -269,7 +268,7 @@ class TaskById(MethodView):
     @blp.error(404, "No such task, or not yours.")
     def get(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Response:
         """Read one task."""
-        return task_json(queue.get_task(database.session(), company_id, task_id))
+        return task_json(queue.get_task(database.connection(), company_id, task_id))
 
 
 @blp.route("/tasks/<uuid:task_id>/cancel")
