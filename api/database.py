@@ -125,10 +125,10 @@ def connection() -> psycopg.Connection[Any]:
     For work of one statement that needs no ORM (a task's create, read and list, the API
     key lookup), sent with `db.engine.driver_errors`: no session, no SQLAlchemy connection
     or result around it. Checked out of the app's pool on first use and returned at
-    teardown, or when the request then opens `session()`; one the server dropped meanwhile
-    is discarded instead of returned. Once the request has a session, or when a session
-    factory is installed in place of the app's own (tests join sessions to an outer
-    transaction), it is that session's connection.
+    teardown, or when the request then opens `session()`; when the server dropped it
+    meanwhile, it is discarded with the rest of the pool. Once the request has a session, or
+    when a session factory is installed in place of the app's own (tests join sessions to an
+    outer transaction), it is that session's connection.
     """
     raw: PoolProxiedConnection | None = g.get("db_connection")
     if raw is None:
@@ -160,8 +160,11 @@ def _release_connection() -> None:
         return
     driver = raw.driver_connection
     if isinstance(driver, psycopg.Connection) and driver.broken:
-        # Lost mid-request (a restart, a dropped network): the pool replaces it.
+        # Lost mid-request (a restart, a dropped network): the pool replaces it, and the
+        # pool's other connections too, as SQLAlchemy does on a disconnect: they were most
+        # likely lost with it, and each would fail a request of its own.
         raw.invalidate()
+        engine_of(current_app).dispose()
     else:
         raw.close()
 

@@ -219,6 +219,39 @@ def test_a_pooled_connection_killed_while_idle_is_replaced_before_use(fresh_db_u
         engine.dispose()
 
 
+def test_a_connection_lost_mid_request_fails_that_request_and_no_other(
+    own_app: Flask, fresh_db_url: str
+) -> None:
+    company = _own_company(own_app)
+    engine = database.engine_of(own_app)
+    # Two pooled connections, used just now (so not pinged), whose server processes die
+    # together, as in a restart between two requests.
+    first, second = engine.raw_connection(), engine.raw_connection()
+    pids = [raw.driver_connection.info.backend_pid for raw in (first, second)]  # type: ignore[union-attr]
+    first.close()
+    second.close()
+    killer = make_engine(fresh_db_url, poolclass=pool.NullPool)
+    with killer.connect() as conn:
+        conn.execute(
+            text("SELECT pg_terminate_backend(pid) FROM unnest(:pids) AS pid"), {"pids": pids}
+        )
+    killer.dispose()
+
+    client = own_app.test_client()
+    url = f"/companies/{company.id}/tasks"
+    lost = client.post(url, json={"type": "noop"}, headers=company.headers)
+    # Two requests at once (one held here): the second takes the pool's next connection.
+    held = database.engine_of(own_app).raw_connection()
+    try:
+        concurrent = client.post(url, json={"type": "noop"}, headers=company.headers)
+    finally:
+        held.close()
+
+    assert (lost.status_code, lost.headers["Retry-After"]) == (503, "1")
+    # The pool dropped its other dead connection with the first: no second 503.
+    assert concurrent.status_code == 201, concurrent.json
+
+
 def test_a_busy_connection_is_not_pinged(
     fresh_db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
