@@ -10,7 +10,7 @@ from flask import Flask, current_app, g
 from sqlalchemy import Engine, PoolProxiedConnection, pool
 from sqlalchemy.orm import Session, sessionmaker
 
-from db.engine import driver_connection, make_engine, make_sessionmaker
+from db.engine import driver_connection, driver_errors, make_engine, make_sessionmaker
 
 _EXT = "fairq.database"
 _PROBE_EXT = "fairq.database.probe"
@@ -136,7 +136,9 @@ def connection() -> psycopg.Connection[Any]:
         own, _autocommit = current_app.extensions[_REQUEST_EXT]
         if pair[1] is not own or "db_session" in g:
             return driver_connection(session(), transaction=False)
-        raw = g.db_connection = pair[0].raw_connection()
+        # The pool raises the driver's own error when it cannot connect.
+        with driver_errors("connect"):
+            raw = g.db_connection = pair[0].raw_connection()
     driver = raw.driver_connection
     assert isinstance(driver, psycopg.Connection)
     return driver
