@@ -76,8 +76,13 @@ class ErrorSchema(Schema):
     )
     errors = fields.Dict(
         metadata={
-            "description": "Validation errors only (422): location -> field -> messages, "
-            'e.g. `{"json": {"type": ["Unknown task type."]}}`.'
+            "description": "The inputs at fault, location -> field -> messages, e.g. "
+            '`{"json": {"type": ["Unknown task type."]}}`: every invalid field of a '
+            "validation error (422); the `Authorization` header of a 401 "
+            '(`{"headers": {"Authorization": [...]}}`); the key of an Idempotency-Key '
+            "conflict (409 or 422): `headers.Idempotency-Key` on a single create, "
+            "`json.tasks[<index>].idempotency_key` on a batch. Absent when no one input is "
+            "at fault (a 404, a 429, a 503)."
         }
     )
 
@@ -100,6 +105,11 @@ class FairqApi(Api):  # type: ignore[misc]  # flask-smorest ships no type hints
         for name, value in error.get_headers():
             if name.lower() != "content-type":
                 headers.setdefault(name, value)
+        challenge = str((headers or {}).get("WWW-Authenticate", ""))
+        if code == 401 and "errors" not in payload and challenge.startswith("Bearer"):
+            # The bearer token's 401 (RFC 6750): the Authorization header is the input at
+            # fault, named as a 422 names a header. The dashboard's 401 (no session) is not.
+            payload["errors"] = {"headers": {"Authorization": [payload.get("message", "")]}}
         if "message" not in payload and code == 413:
             # werkzeug's own 413 (Content-Length over the limit) says nothing about the limit.
             # The request's own: a route may set a larger one (the task batch).
@@ -127,6 +137,18 @@ def _field_errors(errors: Any, path: str = "") -> list[tuple[str, str]]:
         name = path if key == "_schema" else f"{path}.{key}" if path else str(key)
         found.extend(_field_errors(value, name))
     return found
+
+
+def idempotency_key_errors(
+    error: db_errors.IdempotencyKeyReused | db_errors.IdempotencyKeyInFlux,
+) -> dict[str, Any]:
+    """The `errors` of an Idempotency-Key conflict: the key, named as a 422 names a field.
+
+    The header of a single create, or the item's field of a batch (`error.item`).
+    """
+    if error.item is None:
+        return {"headers": {"Idempotency-Key": [str(error)]}}
+    return {"json": {f"tasks[{error.item}].idempotency_key": [str(error)]}}
 
 
 def validation_message(errors: dict[str, Any]) -> str:
@@ -187,7 +209,12 @@ def register(app: Flask) -> None:
     def handle_domain(error: db_errors.DomainError) -> tuple[dict[str, Any], int]:
         for kind, code in _DOMAIN_STATUS:
             if isinstance(error, kind):
-                return error_body(code, _status_name(code), str(error)), code
+                body = error_body(code, _status_name(code), str(error))
+                if isinstance(
+                    error, db_errors.IdempotencyKeyReused | db_errors.IdempotencyKeyInFlux
+                ):
+                    body["errors"] = idempotency_key_errors(error)
+                return body, code
         return error_body(500, _status_name(500), "internal server error"), 500
 
     def handle_integrity(error: IntegrityError) -> tuple[dict[str, Any], int]:

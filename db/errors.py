@@ -23,7 +23,23 @@ class IdempotencyKeyReused(DomainError):
     """An Idempotency-Key was reused with a different request body.
 
     IETF draft-ietf-httpapi-idempotency-key-header, section 2.7 ("Error Scenarios").
+    `item`: the batch item (index from 0) whose key it is; None on a single create.
     """
+
+    def __init__(self, message: str, *, item: int | None = None) -> None:
+        super().__init__(message)
+        self.item = item
+
+
+class IdempotencyKeyInFlux(Conflict):
+    """An Idempotency-Key was taken and freed again while a create tried to use it; retry.
+
+    `item`: the batch item (index from 0) whose key it is; None on a single create.
+    """
+
+    def __init__(self, message: str, *, item: int | None = None) -> None:
+        super().__init__(message)
+        self.item = item
 
 
 def brief(exc: BaseException) -> str:

@@ -160,7 +160,7 @@ def create_task(
                     "this Idempotency-Key was already used with a different request body"
                 )
             return existing, False
-    raise errors.Conflict("the Idempotency-Key is in flux (created and deleted); retry")
+    raise errors.IdempotencyKeyInFlux("the Idempotency-Key is in flux (created and deleted); retry")
 
 
 # INSERT/read rounds before giving up on a key whose row keeps disappearing.
@@ -296,7 +296,8 @@ def create_tasks(
             if tasks[first].request_hash != task.request_hash:
                 raise errors.IdempotencyKeyReused(
                     f"tasks[{index}] repeats the Idempotency-Key of tasks[{first}] "
-                    "with a different request body"
+                    "with a different request body",
+                    item=index,
                 )
             repeats[index] = first
     found: dict[int, tuple[TaskRecord, bool]] = {}
@@ -312,14 +313,18 @@ def create_tasks(
                 if not created and record.request_hash != tasks[index].request_hash:
                     raise errors.IdempotencyKeyReused(
                         f"tasks[{index}]: this Idempotency-Key was already used with a "
-                        "different request body"
+                        "different request body",
+                        item=index,
                     )
                 found[index] = (record, created)
             todo = [index for index in todo if index not in found]
             if not todo:
                 break
         else:
-            raise errors.Conflict("an Idempotency-Key is in flux (created and deleted); retry")
+            raise errors.IdempotencyKeyInFlux(
+                f"tasks[{todo[0]}]: its Idempotency-Key is in flux (created and deleted); retry",
+                item=todo[0],
+            )
     for index, first in repeats.items():
         found[index] = (found[first][0], False)
     return [found[index] for index in range(len(tasks))]

@@ -416,6 +416,32 @@ def test_missing_or_wrong_token_is_401_with_www_authenticate_bearer(
     assert_nothing_stored(db_session, company)
 
 
+@pytest.mark.parametrize(
+    ("path", "authorization"),
+    [
+        ("/companies/{id}/tasks", None),
+        ("/companies/{id}/tasks", "Bearer wrong-token"),
+        ("/companies/{id}/task-batches", "Basic dXNlcjpwYXNz"),
+        ("/companies", "company-key"),  # an admin endpoint: a company's key is refused
+    ],
+    ids=["missing", "wrong", "basic", "company-key-on-admin-endpoint"],
+)
+def test_a_401_names_the_authorization_header_under_errors(
+    client: FlaskClient, company: CompanyWithKey, path: str, authorization: str | None
+) -> None:
+    if authorization == "company-key":
+        headers = company.headers
+    else:
+        headers = {} if authorization is None else {"Authorization": authorization}
+
+    response = client.post(path.format(id=company.id), json={"type": "noop"}, headers=headers)
+
+    assert_error(response, 401)
+    body = json_of(response)
+    assert set(body) == {"code", "status", "message", "errors"}
+    assert body["errors"] == {"headers": {"Authorization": [body["message"]]}}
+
+
 def test_unauthenticated_caller_gets_401_before_any_validation(
     client: FlaskClient, company: CompanyWithKey
 ) -> None:

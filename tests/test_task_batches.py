@@ -30,6 +30,7 @@ from werkzeug.test import TestResponse
 
 from api import errors as api_errors
 from api.settings import ApiSettings
+from api.tasks.routes import BATCH_KEY_HEADER_REFUSED
 from api.tasks.schemas import MAX_BATCH_TASKS, TaskSchema, dump_tasks
 from db import errors, queue
 from db.models import Task
@@ -250,6 +251,49 @@ def test_an_invalid_item_is_422_naming_its_index_and_field_and_nothing_is_stored
     assert count_tasks(db_session, company.id) == 0
 
 
+@pytest.mark.parametrize("key", ["", "order-42"], ids=["empty", "a-key"])
+def test_an_idempotency_key_header_is_422_naming_it_and_nothing_is_stored(
+    client: FlaskClient, company: CompanyWithKey, db_session: Session, key: str
+) -> None:
+    body = {"tasks": [{"type": "noop"}, {"type": "noop", "idempotency_key": "item-1"}]}
+
+    answers = [post_batch(client, company, body, **{"Idempotency-Key": key}) for _ in range(2)]
+
+    for response in answers:
+        assert assert_422(response) == {}
+        error = json_of(response)
+        assert error["errors"] == {"headers": {"Idempotency-Key": [BATCH_KEY_HEADER_REFUSED]}}
+        assert error["message"] == f"invalid headers.Idempotency-Key: {BATCH_KEY_HEADER_REFUSED}"
+    assert count_tasks(db_session, company.id) == 0
+
+
+def test_an_idempotency_key_header_is_refused_after_authentication(
+    client: FlaskClient, company: CompanyWithKey
+) -> None:
+    response = client.post(
+        f"/companies/{company.id}/task-batches",
+        json={"tasks": [{"type": "noop"}]},
+        headers={"Idempotency-Key": "order-42"},
+    )
+
+    assert response.status_code == 401
+
+
+@pytest.mark.parametrize("key", ["", "k" * 256], ids=["empty", "too-long"])
+def test_a_key_of_a_wrong_length_gets_one_message_saying_how_to_send_none(
+    client: FlaskClient, company: CompanyWithKey, key: str
+) -> None:
+    tasks = [{"type": "noop", "idempotency_key": key}]
+
+    errors_ = assert_422(post_batch(client, company, {"tasks": tasks}))
+
+    assert errors_ == {
+        "tasks[0].idempotency_key": [
+            "must be 1..255 characters long; send null or leave it out for no key"
+        ]
+    }
+
+
 def test_the_errors_of_an_item_are_those_of_the_single_create(
     client: FlaskClient, company: CompanyWithKey
 ) -> None:
@@ -450,10 +494,11 @@ def test_a_key_used_with_another_body_makes_the_whole_batch_422_naming_the_item(
         },
     )
 
-    assert_422(response)
+    errors_ = assert_422(response)
     message = json_of(response)["message"]
     assert message.startswith("tasks[1]")
     assert "Idempotency-Key" in message
+    assert errors_ == {"tasks[1].idempotency_key": [message]}
     assert count_tasks(db_session, company.id) == 1
 
 
@@ -481,10 +526,11 @@ def test_two_items_with_one_key_and_different_bodies_are_422_naming_both(
 
     response = post_batch(client, company, {"tasks": tasks})
 
-    assert_422(response)
+    errors_ = assert_422(response)
     message = json_of(response)["message"]
     assert "tasks[1]" in message
     assert "tasks[0]" in message
+    assert errors_ == {"tasks[1].idempotency_key": [message]}
     assert count_tasks(db_session, company.id) == 0
 
 
@@ -539,17 +585,18 @@ def new_task(key: str | None = None, request_hash: str | None = None) -> queue.N
 def wait_for_a_lock_wait(engine: Engine, timeout: float = 30.0) -> None:
     """Return once a session of the database waits for a lock (a conflicting insert)."""
     deadline = time.monotonic() + timeout
-    with engine.connect() as conn:
-        while time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        # A transaction per look: within one, pg_stat_activity shows the same snapshot.
+        with engine.connect() as conn:
             waiting = conn.execute(
                 text(
                     "SELECT count(*) FROM pg_stat_activity "
                     "WHERE datname = current_database() AND wait_event_type = 'Lock'"
                 )
             ).scalar_one()
-            if waiting:
-                return
-            time.sleep(0.02)
+        if waiting:
+            return
+        time.sleep(0.02)
     raise AssertionError("no session started waiting for a lock")
 
 
@@ -671,6 +718,8 @@ def test_the_batch_is_documented(client: FlaskClient) -> None:
     assert {"200", "201", "409", "413", "422", "429"} <= set(operation["responses"])
     assert "Idempotent-Replayed" in operation["responses"]["200"]["headers"]
     assert "8 MiB" in operation["responses"]["413"]["description"]
+    assert "`Idempotency-Key` header" in operation["responses"]["422"]["description"]
+    assert "Idempotency-Key" not in {p["name"] for p in operation.get("parameters", [])}
     assert "Retry-After" in operation["responses"]["429"]["headers"]
     body = operation["requestBody"]["content"]["application/json"]["schema"]
     request = document["components"]["schemas"][body["$ref"].rsplit("/", 1)[-1]]

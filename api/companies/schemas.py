@@ -81,7 +81,10 @@ class CompanyCreateSchema(Schema):
             validators.SINGLE_LINE,
             validators.not_blank,
         ],
-        metadata={"description": "Display name, 1..200 characters, one line, not blank."},
+        metadata={
+            "description": "Display name, 1..200 characters, one line, not blank. Need not be "
+            "unique: the id identifies a company."
+        },
     )
     weight = weight_field(load_default=1)
     max_in_flight = max_in_flight_field(load_default=None)

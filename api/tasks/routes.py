@@ -12,6 +12,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from flask import Response, current_app, jsonify, request, url_for
 from flask.views import MethodView
+from flask_smorest import abort
 
 from api import auth, database, errors
 from api.parser import Blueprint
@@ -182,6 +183,32 @@ def batch_body_limit(view: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
+# Why a batch refuses the single create's header: the header would have to stand for every
+# item at once, and a batch whose items carry no key of their own cannot be replayed.
+BATCH_KEY_HEADER_REFUSED = (
+    "not accepted on a batch, which has no key of its own: give each item an "
+    "idempotency_key to make retrying the batch safe"
+)
+
+
+def refuse_idempotency_header(view: Callable[P, R]) -> Callable[P, R]:
+    """Answer a batch sent with an `Idempotency-Key` header with a 422 naming the header.
+
+    Ignoring it would let a client that retries a batch, believing the header protects it,
+    create every task twice. The body is the one of a header's validation error (webargs'
+    `{"headers": {"Idempotency-Key": [...]}}`); checked before the body is read.
+    """
+
+    @functools.wraps(view)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        if "Idempotency-Key" in request.headers:
+            found = {"headers": {"Idempotency-Key": [BATCH_KEY_HEADER_REFUSED]}}
+            abort(422, message=errors.validation_message(found), errors=found)
+        return view(*args, **kwargs)
+
+    return wrapper
+
+
 @blp.route("/task-batches")
 class TaskBatches(MethodView):
     """A company's tasks created many at once."""
@@ -189,6 +216,7 @@ class TaskBatches(MethodView):
     @blp.doc(operationId="create_task_batch")
     @auth.company_required()
     @batch_body_limit
+    @refuse_idempotency_header
     @blp.arguments(TaskBatchCreateSchema())
     @blp.response(
         201,
@@ -211,8 +239,10 @@ class TaskBatches(MethodView):
     @blp.error(
         422,
         "An invalid item (named `tasks[<index>].<field>`), more than "
-        f"{MAX_BATCH_TASKS} items, a key already used with another body, or more tasks than "
-        "the quota itself. Nothing was stored.",
+        f"{MAX_BATCH_TASKS} items, a key already used with another body, more tasks than "
+        "the quota itself, or an `Idempotency-Key` header (named `headers.Idempotency-Key`: "
+        "a batch has no key of its own; give each item an `idempotency_key`). Nothing was "
+        "stored.",
     )
     @blp.error(409, "An item's Idempotency-Key was taken and freed again meanwhile; retry.")
     @blp.alt_response(429, **_BACKLOG_FULL)

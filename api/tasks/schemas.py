@@ -152,14 +152,23 @@ class TaskCreateSchema(Schema):
         return data
 
 
-# What an Idempotency-Key may be, as a header or as a batch item's field.
-_IDEMPOTENCY_KEY_RULES = (
-    validate.Length(min=1, max=IDEMPOTENCY_KEY_MAX),
-    validators.FullMatch(
-        r"[\x21-\x7e]+",
-        error="must be 1..255 visible ASCII characters (no spaces or control characters)",
-    ),
-)
+def _idempotency_key_rules(no_key: str) -> list[validate.Validator]:
+    """What an Idempotency-Key may be, as a header or as a batch item's field.
+
+    One message per rule broken, so an empty key is told its length only, not also its
+    characters; `no_key` says how to send none.
+    """
+    return [
+        validate.Length(
+            min=1,
+            max=IDEMPOTENCY_KEY_MAX,
+            error=f"must be 1..{IDEMPOTENCY_KEY_MAX} characters long; {no_key} for no key",
+        ),
+        validators.FullMatch(
+            r"[\x21-\x7e]*",
+            error="must be visible ASCII characters only (no spaces or control characters)",
+        ),
+    ]
 
 
 class IdempotencyHeaderSchema(Schema):
@@ -167,7 +176,7 @@ class IdempotencyHeaderSchema(Schema):
 
     idempotency_key = fields.String(
         data_key="Idempotency-Key",
-        validate=list(_IDEMPOTENCY_KEY_RULES),
+        validate=_idempotency_key_rules("leave the header out"),
         metadata={
             "description": "Makes the create safe to retry: same key and body replay the task."
         },
@@ -230,7 +239,7 @@ class TaskBatchItemSchema(TaskCreateSchema):
 
     idempotency_key = fields.String(
         allow_none=True,
-        validate=list(_IDEMPOTENCY_KEY_RULES),
+        validate=_idempotency_key_rules("send null or leave it out"),
         metadata={
             "description": (
                 "As the single create's Idempotency-Key header: the same key and body replay "
