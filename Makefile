@@ -42,8 +42,12 @@ typecheck: $(VENV)/.installed-dev
 	$(BIN)/lint-imports
 
 # Coverage of api, worker and db, counting the processes the tests start ([tool.coverage]).
+# Two test processes (pytest-xdist) keep both cores busy while tests wait on processes,
+# timers and the database; each has its own template and databases (tests/pg.py). Work
+# stealing: a process that runs out of tests takes queued ones from the other.
+PYTEST_WORKERS ?= 2
 pytest: $(VENV)/.installed-dev
-	$(BIN)/pytest --cov --cov-report=term-missing:skip-covered
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist worksteal --cov --cov-report=term-missing:skip-covered
 
 test: lint typecheck pytest
 

@@ -57,18 +57,24 @@ class CompanySort(enum.StrEnum):
     IN_FLIGHT = "in_flight"
     FAILED = "failed"
     WEIGHT = "weight"
+    MAX_IN_FLIGHT = "max_in_flight"
+    MAX_PENDING = "max_pending"
     PAUSED = "paused"
     CREATED = "created"
 
 
 # Sort key -> (its expression in the ranking over every company, its column in the page).
-# Whitelisted: never client text. Oldest wait is handled apart (`_listing_statement`).
+# Whitelisted: never client text. Oldest wait is handled apart (`_listing_statement`). A NULL
+# limit is unlimited, the largest: PostgreSQL's default NULL order (last ascending, first
+# descending) is that, so the limits need no NULLS clause.
 _SORT_SQL: dict[CompanySort, tuple[str, str]] = {
     CompanySort.NAME: ("c.name", "l.name"),
     CompanySort.BACKLOG: ("b.unfinished", "l.backlog"),
     CompanySort.IN_FLIGHT: ("coalesce(p.in_flight, 0)", "l.in_flight"),
     CompanySort.FAILED: ("coalesce(f.failed, 0)", "l.failed"),
     CompanySort.WEIGHT: ("c.weight", "l.weight"),
+    CompanySort.MAX_IN_FLIGHT: ("c.max_in_flight", "l.max_in_flight"),
+    CompanySort.MAX_PENDING: ("c.max_pending", "l.max_pending"),
     CompanySort.PAUSED: ("c.paused", "l.paused"),
     CompanySort.CREATED: ("c.created_at", "l.created_at"),
 }

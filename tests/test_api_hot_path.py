@@ -116,6 +116,12 @@ class Statements:
                 messages[-1] = (direction, kind, f"{body}\n{line}")
         return messages
 
+    def close(self) -> None:
+        """Stop tracing and close the trace."""
+        for pgconn in self._traced:
+            pgconn.untrace()
+        self._file.close()
+
     def clear(self) -> None:
         """Forget what was sent so far."""
         self._start = len(self._flush())
@@ -140,6 +146,7 @@ def statements(
     monkeypatch.setattr(engine.dialect, "do_ping", counted)
     yield seen
     engine.dispose()
+    seen.close()
 
 
 def _own_company(app: Flask) -> CompanyWithKey:

@@ -79,18 +79,24 @@ def head_revision(url: str) -> str:
 
 
 def model_indexes() -> list[Index]:
-    """Every index the models declare."""
-    return [index for table in models.Base.metadata.sorted_tables for index in table.indexes]
+    """Every index the models declare, by name.
+
+    In name order: a table's indexes are a set, and every test process (pytest-xdist's
+    workers) must collect the same tests in the same order.
+    """
+    indexes = [index for table in models.Base.metadata.sorted_tables for index in table.indexes]
+    return sorted(indexes, key=lambda index: str(index.name))
 
 
 def model_checks() -> list[CheckConstraint]:
-    """Every CHECK constraint the models declare."""
-    return [
+    """Every CHECK constraint the models declare, by name (as `model_indexes`)."""
+    checks = [
         constraint
         for table in models.Base.metadata.sorted_tables
         for constraint in table.constraints
         if isinstance(constraint, CheckConstraint)
     ]
+    return sorted(checks, key=lambda check: str(check.name))
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import requests
-from alembic import command
 from sqlalchemy import Engine, text
 
 from devtools import chaos, stack
@@ -40,9 +39,13 @@ READY_LIMIT_SECONDS = 3.0
 FAST = {"STALE_AFTER_SECONDS": "2", "WORKER_POLL_INTERVAL": "0.2", "LOG_LEVEL": "INFO"}
 
 
-@pytest.fixture
-def own_postgres() -> Iterator[EmbeddedPostgres]:
-    """A migrated PostgreSQL only this test uses (and stops), destroyed at the end."""
+@pytest.fixture(scope="module")
+def outage_server() -> Iterator[pg.TestServer]:
+    """A PostgreSQL only this module's tests use (and stop), destroyed at the end.
+
+    One for the module: its initdb and migrations take seconds, and each test gets a database
+    of its own copied from the migrated template (`own_database`).
+    """
     server = EmbeddedPostgres(
         pg.ROOT / ".pgdata" / f"outage-{uuid.uuid4().hex[:12]}",
         free_port(),
@@ -50,10 +53,25 @@ def own_postgres() -> Iterator[EmbeddedPostgres]:
     )
     try:
         server.start()
-        command.upgrade(pg.alembic_config(server.url()), "head")
-        yield server
+        test_server = pg.TestServer(server.url(), server)
+        test_server.build_template()
+        yield test_server
     finally:
         server.destroy()
+
+
+@pytest.fixture
+def own_postgres(outage_server: pg.TestServer) -> EmbeddedPostgres:
+    """The module's server, running (a test that failed may have left it stopped)."""
+    assert outage_server.embedded is not None
+    outage_server.embedded.start()
+    return outage_server.embedded
+
+
+@pytest.fixture
+def own_database(own_postgres: EmbeddedPostgres, outage_server: pg.TestServer) -> str:
+    """URL of a new migrated database on `own_postgres`, for this test only."""
+    return outage_server.url(outage_server.create_from_template())
 
 
 @dataclass
@@ -112,7 +130,10 @@ def _listeners(engine: Engine) -> int:
     """How many worker children hold their LISTEN connection (booted children)."""
     with engine.connect() as conn:
         count: int = conn.execute(
-            text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :name"),
+            text(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND application_name = :name"
+            ),
             {"name": wakeups.LISTEN_APPLICATION_NAME},
         ).scalar_one()
     return count
@@ -132,9 +153,9 @@ def _responses_by_status(api: stack.ApiServer) -> dict[str, float]:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_database_outage_degrades_the_api_cleanly_and_workers_resume(
-    own_postgres: EmbeddedPostgres, tmp_path: Path
+    own_postgres: EmbeddedPostgres, own_database: str, tmp_path: Path
 ) -> None:
-    url = own_postgres.url()
+    url = own_database
     engine = stack.script_engine(url)
     with ExitStack() as running:
         running.callback(engine.dispose)
@@ -204,9 +225,9 @@ def test_database_outage_degrades_the_api_cleanly_and_workers_resume(
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_child_lost_during_a_database_outage_is_replaced_once_the_database_returns(
-    own_postgres: EmbeddedPostgres, tmp_path: Path
+    own_postgres: EmbeddedPostgres, own_database: str, tmp_path: Path
 ) -> None:
-    url = own_postgres.url()
+    url = own_database
     engine = stack.script_engine(url)
     with ExitStack() as running:
         running.callback(engine.dispose)
@@ -244,9 +265,9 @@ def test_a_child_lost_during_a_database_outage_is_replaced_once_the_database_ret
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_tasks_finished_during_a_short_outage_are_recorded_without_running_again(
-    own_postgres: EmbeddedPostgres, tmp_path: Path
+    own_postgres: EmbeddedPostgres, own_database: str, tmp_path: Path
 ) -> None:
-    url = own_postgres.url()
+    url = own_database
     engine = stack.script_engine(url)
     env = {**FAST, "STALE_AFTER_SECONDS": "30", "WEBHOOK_ALLOW_PRIVATE": "true"}
     with ExitStack() as running:

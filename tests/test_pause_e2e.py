@@ -87,7 +87,11 @@ def listening(engine: Engine) -> bool:
     with engine.connect() as conn:
         return bool(
             conn.execute(
-                text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :name"),
+                # This database's: another test process may run children at the same time.
+                text(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND application_name = :name"
+                ),
                 {"name": wakeups.LISTEN_APPLICATION_NAME},
             ).scalar_one()
         )

@@ -179,6 +179,17 @@ def scraped_holder_age(port: int) -> float:
     return float(sample.value)
 
 
+def backend_xids(conn: Connection) -> tuple[str | None, str | None]:
+    """The xid and the snapshot's xmin of `conn`'s session, as pg_stat_activity shows them."""
+    row = conn.execute(
+        text(
+            "SELECT CAST(backend_xid AS text), CAST(backend_xmin AS text) "
+            "FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+        )
+    ).one()
+    return row[0], row[1]
+
+
 def open_snapshot(engine: Engine, isolation_level: str = "REPEATABLE READ") -> Connection:
     """A connection whose transaction has run one query (so holds a snapshot if RR)."""
     conn = engine.connect().execution_options(isolation_level=isolation_level)
@@ -220,8 +231,19 @@ def test_an_idle_writer_is_the_holder_not_the_younger_snapshots_that_wait_on_it(
     try:
         writer.execute(text("INSERT INTO companies (name, api_key_hash) VALUES ('w', 'x')"))
         writer_opened = time.monotonic()
+        writer_xid = backend_xids(writer)[0]
         time.sleep(1.0)
-        reader = open_snapshot(fresh_engine)  # younger, its xmin is the writer's xid
+        # Younger, its xmin the writer's xid. A snapshot's xmin is the server's oldest running
+        # xid: while a transaction of another database began before the writer (another test
+        # process, a benchmark) and still runs, the reader's is older and there is no tie.
+        deadline = time.monotonic() + 30
+        reader = open_snapshot(fresh_engine)
+        while backend_xids(reader)[1] != writer_xid and time.monotonic() < deadline:
+            reader.rollback()
+            reader.close()
+            time.sleep(0.1)
+            reader = open_snapshot(fresh_engine)
+        assert backend_xids(reader)[1] == writer_xid, "no snapshot whose xmin is the writer's"
         time.sleep(0.3)
         checking = time.monotonic()
         age = holder_age(collector)

@@ -15,7 +15,7 @@ from typing import Any
 from flask_wtf import FlaskForm
 from marshmallow import Schema, fields, validate
 from wtforms import HiddenField, IntegerField, PasswordField
-from wtforms.validators import InputRequired, NumberRange, Optional
+from wtforms.validators import InputRequired, NumberRange, Optional, StopValidation
 
 from api import validators
 from db.dashboard import CompanySort
@@ -54,6 +54,13 @@ class StrictIntegerField(IntegerField):  # type: ignore[misc]  # WTForms ships n
                 raise ValueError(self.gettext("Not a valid integer value."))
             valuelist = [text]
         super().process_formdata(valuelist)
+
+    def pre_validate(self, form: Any) -> None:
+        """Stop at a value that is no integer: its range cannot be checked, and saying it is
+        out of range as well would be a second message for one mistake. A blank one is left
+        to `InputRequired()` or `Optional()`."""
+        if self.process_errors and self.raw_data and str(self.raw_data[0]).strip():
+            raise StopValidation()
 
 
 class LoginForm(FlaskForm):  # type: ignore[misc]  # Flask-WTF ships no type hints

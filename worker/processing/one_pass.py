@@ -471,15 +471,12 @@ class ProcessingPass:
             return
         task = running.task
         # Timed out: stopped by the timer, or failed at its deadline (a handler that honours
-        # it ends there with an error of its own). A permanent error is the handler's verdict.
-        if (
+        # it ends there with an error of its own). A permanent error is the handler's verdict,
+        # also when the timer fired as it was raised (its exception then landed in `disarm`).
+        if not isinstance(raised, PermanentTaskError) and (
             ending is Ending.STOPPED
             or isinstance(raised, HandlerTimeout)
-            or (
-                raised is not None
-                and not isinstance(raised, PermanentTaskError)
-                and time.monotonic() >= running.deadline
-            )
+            or (raised is not None and time.monotonic() >= running.deadline)
         ):
             if raised is None or isinstance(raised, HandlerTimeout):
                 detail = "stopped" if raised is not None else "stopped (the handler carried on)"
