@@ -15,12 +15,12 @@ import logging
 import math
 import re
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, ClassVar, NoReturn, TypeVar
 
 import flask
 import flask_smorest
 from flask_smorest import abort
-from marshmallow import Schema, ValidationError, fields
+from marshmallow import RAISE, Schema, ValidationError, fields
 from webargs import core
 from webargs.flaskparser import FlaskParser, is_json_request
 from werkzeug.exceptions import ClientDisconnected, HTTPException
@@ -179,7 +179,15 @@ def _single_valued_names(schema: Schema) -> list[str]:
 
 
 class StrictJsonParser(FlaskParser):
-    """webargs' Flask parser with strict JSON, strict bodies and single-valued query params."""
+    """webargs' Flask parser with strict JSON, strict bodies and strict query strings."""
+
+    # An unknown query parameter is a 422 naming it, as an unknown body field is: webargs
+    # would drop it, and `?stauts=failed` would then list every task instead of the failed.
+    DEFAULT_UNKNOWN_BY_LOCATION: ClassVar[dict[str, str | None]] = {
+        **FlaskParser.DEFAULT_UNKNOWN_BY_LOCATION,
+        "query": RAISE,
+        "querystring": RAISE,
+    }
 
     def _raw_load_json(self, req: flask.Request) -> Any:
         data = read_body(req)

@@ -501,13 +501,18 @@ def test_list_query_value_repeated_or_not_a_plain_integer_is_422_naming_it(
     assert list(error["errors"]["query"]) == [field]
 
 
-def test_unknown_query_parameters_are_ignored(client: FlaskClient, company: CompanyWithKey) -> None:
+def test_unknown_query_parameters_are_422_naming_each(
+    client: FlaskClient, company: CompanyWithKey
+) -> None:
+    # A misspelt filter must not quietly list everything (`?stauts=failed`).
     response = client.get(
-        f"/companies/{company.id}/tasks?limit=2&sort=id&limit_=9&LIMIT=7", headers=company.headers
+        f"/companies/{company.id}/tasks?limit=2&stauts=failed&limit_=9&LIMIT=7",
+        headers=company.headers,
     )
 
-    assert response.status_code == 200
-    assert json_of(response)["limit"] == 2
+    error = assert_error(response, 422, "query.stauts")
+    assert sorted(error["errors"]["query"]) == ["LIMIT", "limit_", "stauts"]
+    assert error["errors"]["query"]["stauts"] == ["Unknown field."]
 
 
 # --- Paths, methods and tokens ---------------------------------------------------------------
