@@ -15,7 +15,7 @@ import logging
 import math
 import re
 from collections.abc import Callable
-from typing import Any, ClassVar, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import flask
 import flask_smorest
@@ -183,7 +183,7 @@ class StrictJsonParser(FlaskParser):
 
     # An unknown query parameter is a 422 naming it, as an unknown body field is: webargs
     # would drop it, and `?stauts=failed` would then list every task instead of the failed.
-    DEFAULT_UNKNOWN_BY_LOCATION: ClassVar[dict[str, str | None]] = {
+    DEFAULT_UNKNOWN_BY_LOCATION: dict[str, str | None] = {  # noqa: RUF012  # webargs' name
         **FlaskParser.DEFAULT_UNKNOWN_BY_LOCATION,
         "query": RAISE,
         "querystring": RAISE,
