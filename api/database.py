@@ -174,7 +174,23 @@ def _release_connection() -> None:
 def session_factory() -> sessionmaker[Session]:
     """The current app's session factory, for work that needs sessions of its own.
 
-    A processing pass (`POST /workers/process`) opens one per thread; views use `session()`.
+    A transaction of several statements (a batch, a pause, a statistics read) takes one; a
+    processing pass (`POST /workers/process`) opens one per thread. Taking it gives back the
+    request's own pooled connection first (`release`): authentication may have used it, and
+    a request holds one at a time.
     """
+    release()
     pair: tuple[Engine, sessionmaker[Session]] = current_app.extensions[_EXT]
     return pair[1]
+
+
+def release() -> None:
+    """Give back the request's pooled connection: `connection()`'s, or its session's.
+
+    What the request wrote through them has committed by then (the session's commit is
+    called here); a later `connection()` or `session()` takes a connection again.
+    """
+    _release_connection()
+    current: Session | None = g.get("db_session")
+    if current is not None:
+        current.commit()

@@ -259,6 +259,32 @@ def test_a_connection_lost_mid_request_fails_that_request_and_no_other(
     assert concurrent.status_code == 201, concurrent.json
 
 
+def test_a_request_holds_one_pooled_connection_at_a_time(own_app: Flask) -> None:
+    company = _own_company(own_app)
+    engine = database.engine_of(own_app)
+    queue_pool = engine.pool
+    assert isinstance(queue_pool, pool.QueuePool)
+    held: list[int] = []  # connections checked out, at each checkout
+    event.listen(engine, "checkout", lambda *_: held.append(queue_pool.checkedout()))
+    client = own_app.test_client()
+    url = f"/companies/{company.id}"
+    requests_ = [
+        ("POST", f"{url}/task-batches", {"tasks": [{"type": "noop"}]}),
+        ("POST", f"{url}/pause", None),
+        ("POST", f"{url}/resume", None),
+        ("GET", f"{url}/stats", None),
+        ("POST", f"{url}/tasks", {"type": "noop"}),
+    ]
+    for method, path, body in requests_:
+        # Unknown to the key cache: authentication reads the key, then the view its work.
+        auth.key_cache(own_app).clear()
+        response = client.open(path, method=method, json=body, headers=company.headers)
+        assert response.status_code in (200, 201), (path, response.json)
+
+    assert held
+    assert max(held) == 1, held
+
+
 def test_a_busy_connection_is_not_pinged(
     fresh_db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -262,9 +262,6 @@ class TaskBatches(MethodView):
             )
             for item in body["tasks"]
         ]
-        # Authentication may have read through the request's session: release its
-        # connection before taking one for the transaction (a request holds one at a time).
-        database.session().commit()
         # A transaction, unlike the request's autocommit session: a key whose body differs
         # can surface after the insert (a create that committed meanwhile), and then
         # nothing of the batch may stay.
