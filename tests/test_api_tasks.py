@@ -27,6 +27,7 @@ from tests.factories import (
     count_tasks,
     json_of,
 )
+from tests.strategies import json_values
 
 TASK_FIELDS = {
     "id",
@@ -358,20 +359,6 @@ def test_run_at_in_the_past_means_now_and_does_not_jump_the_queue(
 
 # -- serialization -----------------------------------------------------------------------------
 
-# Anything a jsonb column or a handler's result can hold.
-_json_values = st.recursive(
-    st.one_of(
-        st.none(),
-        st.booleans(),
-        st.integers(min_value=-(2**53), max_value=2**53),
-        st.floats(allow_nan=False, allow_infinity=False),
-        st.text(max_size=20),
-    ),
-    lambda children: st.one_of(
-        st.lists(children, max_size=4), st.dictionaries(st.text(max_size=10), children, max_size=4)
-    ),
-    max_leaves=15,
-)
 # Aware instants in any zone (fixed offsets, DST zones with either fold), as psycopg reads them.
 _instants = st.datetimes(
     min_value=dt.datetime(1970, 1, 2),
@@ -384,7 +371,7 @@ _records = st.builds(
     id=st.uuids(),
     company_id=st.uuids(),
     type=st.text(min_size=1, max_size=30),
-    payload=st.dictionaries(st.text(max_size=10), _json_values, max_size=5),
+    payload=st.dictionaries(st.text(max_size=10), json_values, max_size=5),
     status=st.sampled_from([status.value for status in TaskStatus]),
     attempts=st.integers(0, 100),
     max_attempts=st.integers(1, 100),
@@ -397,7 +384,7 @@ _records = st.builds(
     updated_at=_instants,
     started_at=st.none() | _instants,
     finished_at=st.none() | _instants,
-    result=_json_values,
+    result=json_values,
 )
 
 

@@ -26,6 +26,7 @@ from api.tasks.schemas import (
     TaskCreateSchema,
     check_payload_limits,
 )
+from tests.strategies import json_scalars, json_text, json_values
 from worker import backoff, tasktypes
 
 # Reproducible in CI: the same examples every run, no example database between runs.
@@ -38,24 +39,6 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 PROPERTIES = settings.get_profile("fairq-properties")
-
-# What a JSON parser can hand us: no NaN/Infinity, no lone surrogates (loads_strict refuses
-# both), but NUL, any other character, huge and negative numbers, empty containers.
-json_text = st.text(st.characters(codec="utf-8"), max_size=30)
-json_scalars = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=False, allow_infinity=False),
-    json_text,
-)
-json_values = st.recursive(
-    json_scalars,
-    lambda children: st.one_of(
-        st.lists(children, max_size=4), st.dictionaries(json_text, children, max_size=4)
-    ),
-    max_leaves=20,
-)
 
 
 def nest(value: Any, levels: int, as_list: bool) -> Any:
