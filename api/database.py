@@ -144,18 +144,6 @@ def connection() -> psycopg.Connection[Any]:
     return driver
 
 
-def commit() -> None:
-    """Commit what the request wrote: its session's work, if it opened one.
-
-    `connection()` is in autocommit: its statements have committed already. A view that
-    writes through it calls this all the same, so its writes commit too where `connection()`
-    is a session's (a session factory installed in place of the app's own: tests).
-    """
-    current: Session | None = g.get("db_session")
-    if current is not None:
-        current.commit()
-
-
 def _release_connection() -> None:
     raw: PoolProxiedConnection | None = g.pop("db_connection", None)
     if raw is None:
@@ -187,8 +175,11 @@ def session_factory() -> sessionmaker[Session]:
 def release() -> None:
     """Give back the request's pooled connection: `connection()`'s, or its session's.
 
-    What the request wrote through them has committed by then (the session's commit is
-    called here); a later `connection()` or `session()` takes a connection again.
+    What the request wrote through them has committed by then: `connection()` is in
+    autocommit, and the session's commit is called here. A view that writes through
+    `connection()` calls this when done, so its writes also commit where `connection()` is
+    a session's (a session factory installed in place of the app's own: tests). A later
+    `connection()` or `session()` takes a connection again.
     """
     _release_connection()
     current: Session | None = g.get("db_session")

@@ -136,7 +136,7 @@ class Tasks(MethodView):
             request_hash=request_hash(body) if key is not None else None,
             notify_channel=current_app.config["FAIRQ_SETTINGS"].notify_channel,
         )
-        database.commit()
+        database.release()
         location = url_for("tasks.TaskById", company_id=company_id, task_id=task.id)
         if created:
             return task_json(task), 201, {"Location": location}
