@@ -9,7 +9,6 @@ from typing import Any
 
 import psycopg
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy import exc as sa_exc
 from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -151,4 +150,4 @@ def driver_errors(what: str) -> Iterator[None]:
     try:
         yield
     except psycopg.Error as exc:
-        raise sa_exc.DBAPIError.instance(what, None, exc, psycopg.Error) from exc
+        raise DBAPIError.instance(what, None, exc, psycopg.Error) from exc

@@ -303,9 +303,8 @@ def create_tasks(
     found: dict[int, tuple[TaskRecord, bool]] = {}
     todo = [index for index in range(len(tasks)) if index not in repeats]
     with driver_errors("create_tasks"):
-        driver = driver_connection(session, transaction=False)
-        if driver.autocommit:
-            raise RuntimeError("create_tasks needs a transaction: a batch is all or nothing")
+        # A transaction: a batch is all or nothing.
+        driver = driver_connection(session)
         for _ in range(_CREATE_ATTEMPTS):
             for row in _insert_tasks(driver, company_id, [tasks[i] for i in todo], notify_channel):
                 index = todo[row[0] - 1]  # n counts the items sent, from 1
