@@ -51,11 +51,12 @@ def make_engine(
     (PgBouncer refuses them), so `statement_timeout_ms` is not applied: set
     `statement_timeout` on the database role or PgBouncer's `query_timeout` instead.
 
-    `ping_after_idle` (seconds; the API): instead of `pool_pre_ping`'s round trip on every
-    checkout, ping only a connection that sat in the pool longer than that. A busy connection
-    is not pinged; after a restart or an outage the pooled connections have been idle, so
-    they are pinged and replaced. One used within that window before a restart fails its
-    request's first statement (a 503 in the API), and SQLAlchemy then invalidates the pool.
+    `ping_after_idle` (seconds; the API and worker children): instead of `pool_pre_ping`'s
+    round trip on every checkout, ping only a connection that sat in the pool longer than
+    that. A busy connection is not pinged; after a restart or an outage the pooled
+    connections have been idle, so they are pinged and replaced. One used within that window
+    before a restart fails its first statement (a 503 in the API, a retried pass in a worker
+    child), and SQLAlchemy then invalidates the pool.
     """
     connect_args = kwargs.pop("connect_args", {})
     connect_args.setdefault("application_name", application_name)

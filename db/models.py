@@ -203,8 +203,10 @@ class Task(Base):
 
     __tablename__ = "tasks"
 
+    # Time-ordered (UUID version 7, migration 0008): a batch's row versions share few pages
+    # of the primary key.
     id: Mapped[uuid.UUID] = mapped_column(
-        UUID(as_uuid=True), primary_key=True, server_default=text("gen_random_uuid()")
+        UUID(as_uuid=True), primary_key=True, server_default=text("fairq_uuidv7()")
     )
     company_id: Mapped[uuid.UUID] = mapped_column(
         UUID(as_uuid=True), ForeignKey("companies.id", ondelete="CASCADE"), nullable=False

@@ -196,8 +196,9 @@ class NewTask(NamedTuple):
 # its key in the statement's snapshot (a replay), with the item's number (`n`, from 1). An
 # item in neither lost its key to a create that committed after the snapshot began;
 # `create_tasks` sends it again. Parameters go in binary (`%(...)b`).
-# Ids are random but handed out in ascending order: the claim breaks ties in run_after by id,
-# so a batch created at one now() runs in request order, and lists like single creates.
+# Ids (time-ordered, but random within a millisecond: migration 0008) are handed out in
+# ascending order: the claim breaks ties in run_after by id, so a batch created at one now()
+# runs in request order, and lists like single creates.
 _INSERT_TASKS = """
 WITH items AS MATERIALIZED (
     SELECT i.n, ids.id, i.type, i.payload, i.run_at, i.max_attempts, i.timeout_seconds,
@@ -212,7 +213,7 @@ WITH items AS MATERIALIZED (
          WITH ORDINALITY
          AS i(type, payload, run_at, max_attempts, timeout_seconds, key, request_hash, n)
     JOIN (SELECT row_number() OVER (ORDER BY g.id) AS n, g.id
-          FROM (SELECT gen_random_uuid() AS id
+          FROM (SELECT fairq_uuidv7() AS id
                 FROM generate_series(1, cardinality(CAST(%(types)b AS text[])))) g) ids
       ON ids.n = i.n
 ),

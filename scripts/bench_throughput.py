@@ -238,6 +238,26 @@ def process_cpu(pids: Sequence[int]) -> float | None:
     return total
 
 
+def backends_cpu(pids: Sequence[int], before: dict[int, float]) -> float | None:
+    """CPU seconds these server processes used since `before` (pid to CPU seconds then).
+
+    A process not in `before` (a connection opened during the run: a worker child's
+    completion writer connects on its first write) counts from its start.
+    """
+    total = 0.0
+    for pid in pids:
+        cpu = process_cpu([pid])
+        if cpu is None:
+            return None
+        total += cpu - before.get(pid, 0.0)
+    return total
+
+
+def backends_cpu_before(pids: Sequence[int]) -> dict[int, float]:
+    """CPU seconds each of these server processes used so far."""
+    return {pid: process_cpu([pid]) or 0.0 for pid in pids}
+
+
 def backend_pids(engine: Engine, application_name: str) -> list[int]:
     """The server processes of this database's connections with this application_name pattern."""
     with engine.connect() as conn:
@@ -289,7 +309,7 @@ def run_once(
         processes = [sup.pid, *sup.children()]
         backends = backend_pids(engine, "fairq-worker%")
         start = sup.metrics()
-        cpu, db_cpu = process_cpu(processes), process_cpu(backends)
+        cpu, db_before = process_cpu(processes), backends_cpu_before(backends)
         holder = None if hold_snapshot is None else SnapshotHolder(engine, hold_snapshot)
         gauge = None
         try:
@@ -310,7 +330,7 @@ def run_once(
                 holder.close()
         # The children's connections as they are now: a pass may have opened another.
         cpu = _delta(process_cpu(processes), cpu)
-        db_cpu = _delta(process_cpu(backends), db_cpu)
+        db_cpu = backends_cpu(backend_pids(engine, "fairq-worker%"), db_before)
         end = sup.metrics()
     if cpu is None:
         raise RuntimeError("a worker process exited while draining")
@@ -486,11 +506,11 @@ def run_pgqueuer_once(
         hear_all("ready")
         processes = [proc.pid for proc in procs]
         backends = backend_pids(engine, PGQUEUER_APPLICATION_NAME)
-        cpu, db_cpu = process_cpu(processes), process_cpu(backends)
+        cpu, db_before = process_cpu(processes), backends_cpu_before(backends)
         tell_all("go")
         hear_all("drained")
         cpu = _delta(process_cpu(processes), cpu)
-        db_cpu = _delta(process_cpu(backends), db_cpu)
+        db_cpu = backends_cpu(backend_pids(engine, PGQUEUER_APPLICATION_NAME), db_before)
         tell_all("exit")
         for proc in procs:
             if proc.wait(30) != 0:

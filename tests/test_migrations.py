@@ -7,6 +7,7 @@ letting PostgreSQL itself render what the models declare next to what the migrat
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -300,3 +301,34 @@ def test_check_constraint_matches_the_model(
 
     assert name in definitions, f"{name} is declared on the models but no migration creates it"
     assert definitions[name] == definitions[name + TWIN]
+
+
+def test_task_ids_are_uuid_version_7_in_creation_order(migrated_engine: Engine) -> None:
+    """`fairq_uuidv7()` (migration 0008): RFC 9562 version 7, Unix milliseconds first.
+
+    Ids made a few milliseconds apart sort in the order they were made; each carries the
+    clock's time in its first 48 bits, and the rest stays random.
+    """
+    with migrated_engine.connect() as conn:
+        now_ms, ids = conn.execute(
+            text(
+                "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000), "
+                "       array_agg(id ORDER BY n) "
+                "FROM (SELECT n, fairq_uuidv7() AS id, pg_sleep(0.002) "
+                "      FROM generate_series(1, 5) n) made"
+            )
+        ).one()
+        default = conn.execute(
+            text(
+                "SELECT column_default FROM information_schema.columns "
+                "WHERE table_name = 'tasks' AND column_name = 'id'"
+            )
+        ).scalar_one()
+
+    assert default == "fairq_uuidv7()"
+    assert [u.version for u in ids] == [7] * 5
+    assert {u.variant for u in ids} == {uuid.RFC_4122}
+    assert ids == sorted(ids)
+    assert len({u.int & ((1 << 74) - 1) for u in ids}) == 5  # the random bits differ
+    for made in ids:
+        assert abs(int.from_bytes(made.bytes[:6], "big") - int(now_ms)) < 60_000

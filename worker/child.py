@@ -92,6 +92,9 @@ ORPHAN_POLL_SECONDS = 0.1
 RETRY_BACKOFF_MIN_SECONDS = 0.5
 RETRY_BACKOFF_MAX_SECONDS = 10.0
 
+# A pooled connection idle longer than this is pinged before use (`db.engine.make_engine`).
+PING_AFTER_IDLE_SECONDS = 1.0
+
 MAINTENANCE_INTERVAL_SECONDS = 60.0
 # One retention run stops after this long, so a large backlog does not stall processing.
 MAINTENANCE_BUDGET_SECONDS = 2.0
@@ -234,6 +237,10 @@ class Child:
             # at the same time (README, "The worker supervisor": connections per child).
             pool_size=1,
             max_overflow=0,
+            # Not pinged on every pass's checkout, a round trip per batch: a busy child uses
+            # its connection all the time, and a dead one fails its pass's first statement,
+            # which the loop retries on a new connection (tests/test_outage.py).
+            ping_after_idle=PING_AFTER_IDLE_SECONDS,
         )
         self._sessions = db_engine.make_sessionmaker(self._engine)
         # A database that is restarting (a deploy, a failover) is waited out for
