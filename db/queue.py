@@ -966,17 +966,23 @@ def _unzip(leases: Sequence[Lease]) -> dict[str, list[uuid.UUID]]:
     return {"ids": [lease.task_id for lease in leases], "tokens": [lease.token for lease in leases]}
 
 
+# The fenced statements over a set of leases match `t.id = ANY(ids) AND t.lease_token =
+# ANY(tokens)`: primary-key probes, whatever the plan. A join with unnest(ids, tokens), once
+# the prepared statement had a generic plan and statistics counted few processing rows, could
+# scan the processing index once per lease (a completion of 100 tasks of 50 companies took
+# 2.9-3.1 ms instead of 1.9-2.0; decision 0002). Pairs need no join: a lease token is made
+# for one task's attempt only (gen_random_uuid()), so a task whose token is among ours is
+# one whose lease we hold.
+_HELD = "t.id = ANY(CAST({ids} AS uuid[])) AND t.lease_token = ANY(CAST({tokens} AS uuid[]))"
+
 _HEARTBEAT = text(
     """
 UPDATE tasks t
 SET locked_at = now()
-FROM unnest(CAST(:ids AS uuid[]), CAST(:tokens AS uuid[])) AS held(id, token)
-WHERE t.id = held.id
-  -- Fenced: a lease another worker took over is theirs now; do not extend it.
-  AND t.status = 'processing'
-  AND t.lease_token = held.token
+-- Fenced: a lease another worker took over is theirs now; do not extend it.
+WHERE {held} AND t.status = 'processing'
 RETURNING t.id
-"""
+""".replace("{held}", _HELD.format(ids=":ids", tokens=":tokens"))
 )
 
 
@@ -999,22 +1005,21 @@ _COMPLETE = """
 UPDATE tasks t
 SET status = 'completed', finished_at = now(), updated_at = now(), last_error = NULL,
     lease_token = NULL, locked_by = NULL, locked_at = NULL
-FROM unnest(CAST(%(ids)b AS uuid[]), CAST(%(tokens)b AS uuid[])) AS held(id, token)
-WHERE t.id = held.id AND t.status = 'processing' AND t.lease_token = held.token
+WHERE {held} AND t.status = 'processing'
 RETURNING t.id
-"""
-# The same with each task's result, JSON text parsed by the server (NULL: none). A statement
-# of its own, so a batch without results (noop, most handlers) sends and plans nothing more.
+""".replace("{held}", _HELD.format(ids="%(ids)b", tokens="%(tokens)b"))
+# The same with each task's result, JSON text parsed by the server (NULL: none), found by the
+# task's place in `ids`. A statement of its own, so a batch without results (noop, most
+# handlers) sends and plans nothing more.
 _COMPLETE_WITH_RESULTS = """
 UPDATE tasks t
 SET status = 'completed', finished_at = now(), updated_at = now(), last_error = NULL,
     lease_token = NULL, locked_by = NULL, locked_at = NULL,
-    result = CAST(held.result AS jsonb)
-FROM unnest(CAST(%(ids)b AS uuid[]), CAST(%(tokens)b AS uuid[]), CAST(%(results)b AS text[]))
-     AS held(id, token, result)
-WHERE t.id = held.id AND t.status = 'processing' AND t.lease_token = held.token
+    result = CAST((CAST(%(results)b AS text[]))[array_position(CAST(%(ids)b AS uuid[]), t.id)]
+                  AS jsonb)
+WHERE {held} AND t.status = 'processing'
 RETURNING t.id
-"""
+""".replace("{held}", _HELD.format(ids="%(ids)b", tokens="%(tokens)b"))
 
 
 def complete_tasks(
@@ -1110,10 +1115,9 @@ SET status = 'pending',
     updated_at = now(),
     lease_token = NULL, locked_by = NULL, locked_at = NULL
     -- run_after untouched: a released task keeps its place in line.
-FROM unnest(CAST(:ids AS uuid[]), CAST(:tokens AS uuid[])) AS held(id, token)
-WHERE t.id = held.id AND t.status = 'processing' AND t.lease_token = held.token
+WHERE {held} AND t.status = 'processing'
 RETURNING t.id
-"""
+""".replace("{held}", _HELD.format(ids=":ids", tokens=":tokens"))
 )
 
 
