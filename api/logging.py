@@ -26,7 +26,8 @@ from worker import logging as worker_logging
 REQUEST_ID_HEADER = "X-Request-ID"
 MAX_PATH_CHARS = 200
 
-log = logging.getLogger("fairq.api.request")
+# Its records skip the caller lookup (neither format shows file or line).
+log = worker_logging.callerless_logger("fairq.api.request")
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 

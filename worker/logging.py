@@ -274,6 +274,19 @@ class _CallerlessLogger(logging.Logger):
         return "(unknown file)", 0, "(unknown function)", None
 
 
+def callerless_logger(name: str) -> logging.Logger:
+    """The logger `name`, made to skip the caller lookup for each of its records.
+
+    For a logger on a hot path of a process whose other loggers are not all ours (the API
+    under gunicorn, where `configure` leaves the root alone): only this one changes.
+    """
+    logger = logging.getLogger(name)
+    if type(logger) is logging.Logger:
+        # A subclass with no state of its own: the logger keeps its handlers and level.
+        logger.__class__ = _CallerlessLogger
+    return logger
+
+
 def configure(level: str = "INFO", fmt: str = "text", *, logger: str = "") -> BatchingHandler:
     """Send every record of `logger` (default: the root, i.e. all) to stderr at `level`.
 

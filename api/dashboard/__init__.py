@@ -31,8 +31,8 @@ import hashlib
 import hmac
 from typing import Any
 
-from flask import Flask, Response, request
-from flask.sessions import SecureCookieSessionInterface, SessionMixin
+from flask import Flask, Request, Response, request
+from flask.sessions import SecureCookieSession, SecureCookieSessionInterface, SessionMixin
 from flask_wtf.csrf import CSRFProtect
 from itsdangerous import URLSafeTimedSerializer
 
@@ -60,6 +60,17 @@ class _SessionInterface(SecureCookieSessionInterface):
     def get_cookie_secure(self, app: Flask) -> bool:
         """`Secure` when configured, and whenever this request came over HTTPS."""
         return bool(super().get_cookie_secure(app) or request.is_secure)
+
+    def open_session(self, app: Flask, request: Request) -> SecureCookieSession | None:
+        """Flask's, without parsing the cookies of a request that sent none: an empty session.
+
+        Flask opens the session of every request, and the API's requests send no cookie.
+        """
+        if "HTTP_COOKIE" not in request.environ:
+            if self.get_signing_serializer(app) is None:
+                return None  # no secret key: Flask's null session, as its own would give
+            return self.session_class()
+        return super().open_session(app, request)
 
     def save_session(self, app: Flask, session: SessionMixin, response: Response) -> None:
         """Flask's, returning at once for a session nobody read, changed or filled.
