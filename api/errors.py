@@ -6,13 +6,15 @@ Every error response has the shape `{"code", "status", "message", "errors"?}` (d
 from __future__ import annotations
 
 import re
+import uuid
 from typing import Any
 
-from flask import Flask, request
+from flask import Flask, current_app, request
 from flask_smorest import Api
 from marshmallow import Schema, fields
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
+from werkzeug.routing import Map, Rule
 
 from db import errors as db_errors
 from db import models
@@ -45,6 +47,12 @@ _CONSTRAINT_FIELD: dict[str, tuple[str, str]] = {
         f"and less than or equal to {models.MAX_PENDING}.",
     ),
 }
+
+# A path parameter of a route, `<uuid:name>` in its rule.
+_UUID_PARAMETER = re.compile(r"<uuid:(\w+)>")
+# The app's routes with their `uuid` segments as plain strings (`_malformed_path_ids`).
+_LOOSE_ROUTES = "fairq.loose_routes"
+NOT_A_UUID = "Not a valid UUID."
 
 # status -> (domain error type) for the errors `db` raises on purpose.
 _DOMAIN_STATUS: tuple[tuple[type[db_errors.DomainError], int], ...] = (
@@ -81,8 +89,9 @@ class ErrorSchema(Schema):
             "validation error (422); the `Authorization` header of a 401 "
             '(`{"headers": {"Authorization": [...]}}`); the key of an Idempotency-Key '
             "conflict (409 or 422): `headers.Idempotency-Key` on a single create, "
-            "`json.tasks[<index>].idempotency_key` on a batch. Absent when no one input is "
-            "at fault (a 404, a 429, a 503)."
+            "`json.tasks[<index>].idempotency_key` on a batch; a path parameter that is not "
+            'a UUID on a 404 (`{"path": {"task_id": ["Not a valid UUID."]}}`). Absent when '
+            "no one input is at fault (another 404, a 429, a 503)."
         }
     )
 
@@ -105,6 +114,12 @@ class FairqApi(Api):  # type: ignore[misc]  # flask-smorest ships no type hints
         for name, value in error.get_headers():
             if name.lower() != "content-type":
                 headers.setdefault(name, value)
+        if code == 404 and request.url_rule is None and "errors" not in payload:
+            # No route matched; maybe one would, but for an id that is not a UUID.
+            malformed = _malformed_path_ids(request.path, request.method)
+            if malformed:
+                payload["errors"] = {"path": {name: [NOT_A_UUID] for name in malformed}}
+                payload["message"] = validation_message(payload["errors"])
         challenge = str((headers or {}).get("WWW-Authenticate", ""))
         if code == 401 and "errors" not in payload and challenge.startswith("Bearer"):
             # The bearer token's 401 (RFC 6750): the Authorization header is the input at
@@ -124,6 +139,36 @@ class FairqApi(Api):  # type: ignore[misc]  # flask-smorest ships no type hints
             # Never leak internals; the traceback is in the server log.
             payload["message"] = "internal server error"
         return payload, code, headers
+
+
+def _malformed_path_ids(path: str, method: str) -> list[str]:
+    """The path parameters that are not UUIDs, if `path` names a route but for them.
+
+    Matched against the app's routes with each `<uuid:...>` segment taken as any string:
+    `/companies/nope/tasks` names `company_id`. Empty when no route would match either.
+    """
+    loose: Map | None = current_app.extensions.get(_LOOSE_ROUTES)
+    if loose is None:
+        loose = Map(
+            [
+                Rule(_UUID_PARAMETER.sub(r"<\1>", r.rule), endpoint=r.endpoint, methods=r.methods)
+                for r in current_app.url_map.iter_rules()
+                if _UUID_PARAMETER.search(r.rule)
+            ]
+        )
+        current_app.extensions[_LOOSE_ROUTES] = loose
+    try:
+        endpoint, values = loose.bind("").match(path, method)
+    except (NotFound, MethodNotAllowed):
+        return []
+    rule = next(r for r in current_app.url_map.iter_rules(str(endpoint)))
+    malformed = []
+    for name in _UUID_PARAMETER.findall(rule.rule):
+        try:
+            uuid.UUID(str(values[name]))
+        except ValueError:
+            malformed.append(name)
+    return malformed
 
 
 def _field_errors(errors: Any, path: str = "") -> list[tuple[str, str]]:

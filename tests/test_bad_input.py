@@ -577,3 +577,45 @@ def test_email_subject_with_a_line_break_is_422_and_nothing_is_stored(
     errors = assert_error(response, 422, location="json")
     assert errors["payload"]["subject"]
     assert_nothing_stored(db_session, company)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "named"),
+    [
+        ("GET", "/companies/{company}/tasks/not-a-uuid", ["task_id"]),
+        ("POST", "/companies/{company}/tasks/12345/cancel", ["task_id"]),
+        ("GET", "/companies/nope/tasks", ["company_id"]),
+        ("GET", "/companies/nope/tasks/also-not", ["company_id", "task_id"]),
+        ("POST", "/companies/1/task-batches", ["company_id"]),
+    ],
+)
+def test_a_path_id_that_is_not_a_uuid_is_a_404_naming_it(
+    client: FlaskClient, company: CompanyWithKey, method: str, path: str, named: list[str]
+) -> None:
+    response = client.open(
+        path.format(company=company.id), method=method, headers=company.headers, json={}
+    )
+
+    errors = assert_error(response, 404, location="path")
+    assert errors == {name: ["Not a valid UUID."] for name in named}
+    assert all(name in json_of(response)["message"] for name in named)
+
+
+@pytest.mark.parametrize("path", ["/nope", "/companies/{company}/tasks/x/y"])
+def test_a_path_no_route_has_is_a_plain_404(
+    client: FlaskClient, company: CompanyWithKey, path: str
+) -> None:
+    response = client.get(path.format(company=company.id), headers=company.headers)
+
+    assert_error(response, 404)
+    assert "errors" not in json_of(response)
+
+
+def test_a_method_no_route_takes_on_a_path_with_a_bad_id_is_a_plain_404(
+    client: FlaskClient, company: CompanyWithKey
+) -> None:
+    """No route would take DELETE there, whatever the id: nothing to name."""
+    response = client.delete("/companies/nope/tasks", headers=company.headers)
+
+    assert_error(response, 404)
+    assert "errors" not in json_of(response)
