@@ -167,7 +167,8 @@ def require_company(company_id: uuid.UUID, *, allow_admin: bool = False) -> Prin
         return principal
     if principal.is_admin:
         # The admin token does not act for tenants on task endpoints (design §3 "who").
-        abort(403, message="the admin token cannot act for a company; use its API key")
+        message = "the admin token cannot act for a company; use its API key"
+        abort(403, message=message, errors={"headers": {"Authorization": [message]}})
     abort(404, message="company not found")
     raise AssertionError("unreachable")
 

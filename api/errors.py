@@ -86,7 +86,8 @@ class ErrorSchema(Schema):
         metadata={
             "description": "The inputs at fault, location -> field -> messages, e.g. "
             '`{"json": {"type": ["Unknown task type."]}}`: every invalid field of a '
-            "validation error (422); the `Authorization` header of a 401 "
+            "validation error (422); the `Authorization` header of a 401, and of the 403 "
+            "of the admin token on a company's tasks "
             '(`{"headers": {"Authorization": [...]}}`); the key of an Idempotency-Key '
             "conflict (409 or 422): `headers.Idempotency-Key` on a single create, "
             "`json.tasks[<index>].idempotency_key` on a batch; a path parameter that is not "

@@ -146,7 +146,9 @@ def test_admin_token_cannot_act_for_a_company_on_task_endpoints(
     response = client.post(tasks_url(company), json={"type": "noop"}, headers=admin_headers)
 
     assert response.status_code == 403
-    assert json_of(response)["code"] == 403
+    body = json_of(response)
+    assert body["code"] == 403
+    assert body["errors"] == {"headers": {"Authorization": [body["message"]]}}
     assert count_tasks(db_session, company.id) == 0
 
 
