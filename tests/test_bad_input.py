@@ -167,22 +167,31 @@ def test_payload_of_exactly_64_kib_is_accepted(
 
 
 @pytest.mark.parametrize(
-    "payload",
+    ("payload", "where"),
     [
-        {"url": "https://example.com", "body": "a\u0000b"},
-        {"url": "https://example.com", "body": {"a\u0000": 1}},
-        {"url": "https://example.com", "body": [["deep \u0000"]]},
-        {"url": "https://example.com", "headers": {"X-A": "\u0000"}},
+        ({"url": "https://example.com", "body": "a\u0000b"}, ["body"]),
+        ({"url": "https://example.com", "body": {"a\u0000": 1}}, ["body", "a\u0000"]),
+        ({"url": "https://example.com", "body": [1, ["deep \u0000"]]}, ["body", "1", "0"]),
+        ({"url": "https://example.com", "headers": {"X-A": "\u0000"}}, ["headers", "X-A"]),
+        ({"url": "https://example.com/\u0000"}, ["url"]),
     ],
-    ids=["in-a-value", "in-a-key", "in-a-nested-list", "in-a-header"],
+    ids=["in-a-value", "in-a-key", "in-a-nested-list", "in-a-header", "in-the-url"],
 )
-def test_payload_containing_nul_is_422_and_nothing_is_stored(
-    client: FlaskClient, company: CompanyWithKey, db_session: Session, payload: dict[str, Any]
+def test_payload_containing_nul_is_422_naming_where_and_nothing_is_stored(
+    client: FlaskClient,
+    company: CompanyWithKey,
+    db_session: Session,
+    payload: dict[str, Any],
+    where: list[str],
 ) -> None:
     response = post_task(client, company, {"type": "webhook", "payload": payload})
 
     errors = assert_error(response, 422, location="json")
-    assert "\\u0000" in errors["payload"][0]
+    at = errors["payload"]
+    for step in where:
+        at = at[step]
+    assert "\\u0000" in at[0]
+    assert f"json.payload.{'.'.join(where)}" in json_of(response)["message"]
     assert_nothing_stored(db_session, company)
 
 

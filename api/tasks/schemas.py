@@ -6,7 +6,7 @@ import datetime as dt
 import functools
 import json
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from marshmallow import (
     RAISE,
@@ -38,32 +38,42 @@ def check_payload_limits(payload: Any) -> None:
 
     A JSON object at most `MAX_PAYLOAD_BYTES` serialized (compact UTF-8), nested at most
     `MAX_PAYLOAD_DEPTH` deep (the top object is depth 1), with no U+0000 in any key or string
-    (PostgreSQL jsonb cannot store it). Raises `ValidationError`.
+    (PostgreSQL jsonb cannot store it). Raises `ValidationError`: for a NUL, its messages name
+    where in the payload the first one is (`{"url": [...]}`, `{"items": {3: [...]}}`, as
+    marshmallow nests field errors); depth and size, for the payload as a whole.
     """
     if not isinstance(payload, dict):
         raise ValidationError("must be a JSON object")
     # Iterative walk: the depth check must not itself recurse on hostile input.
-    stack: list[tuple[Any, int]] = [(payload, 1)]
+    stack: list[tuple[Any, int, tuple[str | int, ...]]] = [(payload, 1, ())]
     while stack:
-        node, depth = stack.pop()
+        node, depth, path = stack.pop()
         if isinstance(node, dict):
             if depth > MAX_PAYLOAD_DEPTH:
                 raise ValidationError(f"must be nested at most {MAX_PAYLOAD_DEPTH} levels deep")
             for key, value in node.items():
                 if "\x00" in key:
-                    raise ValidationError("must not contain the NUL character (\\u0000)")
-                stack.append((value, depth + 1))
+                    _refuse((*path, key), "must not contain the NUL character (\\u0000)")
+                stack.append((value, depth + 1, (*path, key)))
         elif isinstance(node, list):
             if depth > MAX_PAYLOAD_DEPTH:
                 raise ValidationError(f"must be nested at most {MAX_PAYLOAD_DEPTH} levels deep")
-            stack.extend((value, depth + 1) for value in node)
+            stack.extend((value, depth + 1, (*path, i)) for i, value in enumerate(node))
         elif isinstance(node, str) and "\x00" in node:
-            raise ValidationError("must not contain the NUL character (\\u0000)")
+            _refuse(path, "must not contain the NUL character (\\u0000)")
     size = len(json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode())
     if size > MAX_PAYLOAD_BYTES:
         raise ValidationError(
             f"must be at most {MAX_PAYLOAD_BYTES} bytes serialized, got {size} bytes"
         )
+
+
+def _refuse(path: tuple[str | int, ...], message: str) -> NoReturn:
+    """Raise `message` at `path` in the payload, nested as marshmallow nests field errors."""
+    messages: Any = [message]
+    for step in reversed(path):
+        messages = {step: messages}
+    raise ValidationError(messages)
 
 
 @functools.cache
