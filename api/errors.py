@@ -90,7 +90,9 @@ class ErrorSchema(Schema):
             "of the admin token on a company's tasks "
             '(`{"headers": {"Authorization": [...]}}`); the key of an Idempotency-Key '
             "conflict (409 or 422): `headers.Idempotency-Key` on a single create, "
-            "`json.tasks[<index>].idempotency_key` on a batch; a path parameter that is not "
+            "`json.tasks[<index>].idempotency_key` on a batch; `json.tasks` of a batch larger "
+            "than the company's max_pending (422); the `Content-Type` header of a 415; a "
+            "path parameter that is not "
             'a UUID on a 404 (`{"path": {"task_id": ["Not a valid UUID."]}}`). Absent when '
             "no one input is at fault (another 404, a 429, a 503)."
         }
@@ -239,7 +241,10 @@ def backlog_quota_answer(detail: str | None) -> tuple[dict[str, Any], int, dict[
             f"company's max_pending of {max_pending}; it can never fit, send at most "
             f"{max_pending} at a time"
         )
-        return error_body(422, _status_name(422), message), 422, {}
+        body = error_body(422, _status_name(422), message)
+        # Only a batch adds more than one task, so its list is the input at fault.
+        body["errors"] = {"json": {"tasks": [message]}}
+        return body, 422, {}
     message = (
         f"backlog quota exceeded: {unfinished} unfinished tasks (pending or processing) of at "
         f"most {max_pending} (max_pending), and this request adds {adding}; retry when tasks "

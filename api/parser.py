@@ -200,13 +200,13 @@ class StrictJsonParser(FlaskParser):
         data = read_body(req)
         if not is_json_request(req):
             if data:
-                abort(415, message="the request body must be JSON (Content-Type: application/json)")
+                _unsupported("the request body must be JSON (Content-Type: application/json)")
             return core.missing
         charset = req.mimetype_params.get("charset")
         if data and charset is not None and charset.strip().lower() not in _UTF8_CHARSETS:
             # We decode as UTF-8 whatever is declared: bytes another charset meant (latin-1
             # "Ã©" is UTF-8 "é") would be stored as something the client never sent.
-            abort(415, message=f"JSON must be UTF-8 encoded, not charset={charset[:40]}")
+            _unsupported(f"JSON must be UTF-8 encoded, not charset={charset[:40]}")
         return loads_strict(data)
 
     def _handle_invalid_json_error(
@@ -288,6 +288,12 @@ class StrictJsonParser(FlaskParser):
             self._on_validation_error(
                 error, req, schema, "headers", error_status_code=None, error_headers=None
             )
+
+
+def _unsupported(message: str) -> NoReturn:
+    """415, naming the `Content-Type` header as the input at fault."""
+    abort(415, message=message, errors={"headers": {"Content-Type": [message]}})
+    raise AssertionError("unreachable")  # abort raises
 
 
 F = TypeVar("F", bound=Callable[..., Any])

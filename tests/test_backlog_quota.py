@@ -160,6 +160,7 @@ def test_a_batch_larger_than_the_quota_itself_is_422_as_it_can_never_fit(
     assert "Retry-After" not in response.headers
     message = json_of(response)["message"]
     assert "adds 3 tasks, more than the company's max_pending of 2" in message
+    assert json_of(response)["errors"] == {"json": {"tasks": [message]}}
     assert count_tasks(db_session, company.id) == 0
 
 

@@ -536,8 +536,9 @@ def test_non_json_content_type_with_a_body_is_415(
 ) -> None:
     response = post_task(client, company, '{"type": "noop"}', content_type=content_type)
 
-    assert_error(response, 415)
+    headers = assert_error(response, 415, location="headers")
     assert "application/json" in json_of(response)["message"]
+    assert headers == {"Content-Type": [json_of(response)["message"]]}
     assert_nothing_stored(db_session, company)
 
 
