@@ -23,7 +23,7 @@ from typing import ParamSpec, TypeVar
 from flask import Flask, current_app, g, request
 from flask_smorest import abort
 
-from api import database
+from api import database, errors
 from db import companies
 
 API_KEY_PREFIX = "fq_"
@@ -112,7 +112,13 @@ def hash_api_key(key: str) -> str:
 
 
 def _unauthorized(message: str) -> None:
-    abort(401, message=message, headers={"WWW-Authenticate": 'Bearer realm="fairq"'})
+    # RFC 6750: the Authorization header is the input at fault.
+    abort(
+        401,
+        message=message,
+        errors=errors.header_fault("Authorization", message),
+        headers={"WWW-Authenticate": 'Bearer realm="fairq"'},
+    )
 
 
 def _bearer_token() -> str:
@@ -168,7 +174,7 @@ def require_company(company_id: uuid.UUID, *, allow_admin: bool = False) -> Prin
     if principal.is_admin:
         # The admin token does not act for tenants on task endpoints (design §3 "who").
         message = "the admin token cannot act for a company; use its API key"
-        abort(403, message=message, errors={"headers": {"Authorization": [message]}})
+        abort(403, message=message, errors=errors.header_fault("Authorization", message))
     abort(404, message="company not found")
     raise AssertionError("unreachable")
 

@@ -123,11 +123,6 @@ class FairqApi(Api):  # type: ignore[misc]  # flask-smorest ships no type hints
             if malformed:
                 payload["errors"] = {"path": {name: [NOT_A_UUID] for name in malformed}}
                 payload["message"] = validation_message(payload["errors"])
-        challenge = str((headers or {}).get("WWW-Authenticate", ""))
-        if code == 401 and "errors" not in payload and challenge.startswith("Bearer"):
-            # The bearer token's 401 (RFC 6750): the Authorization header is the input at
-            # fault, named as a 422 names a header. The dashboard's 401 (no session) is not.
-            payload["errors"] = {"headers": {"Authorization": [payload.get("message", "")]}}
         if "message" not in payload and code == 413:
             # werkzeug's own 413 (Content-Length over the limit) says nothing about the limit.
             # The request's own: a route may set a larger one (the task batch).
@@ -144,6 +139,15 @@ class FairqApi(Api):  # type: ignore[misc]  # flask-smorest ships no type hints
         return payload, code, headers
 
 
+def header_fault(header: str, message: str) -> dict[str, Any]:
+    """The `errors` of an answer whose input at fault is the request's `header`.
+
+    Named as a 422 names a header: `{"headers": {header: [message]}}`, for the 401 and 403
+    of a token and the 415 of a body's type.
+    """
+    return {"headers": {header: [message]}}
+
+
 def _malformed_path_ids(path: str, method: str) -> list[str]:
     """The path parameters that are not UUIDs, if `path` names a route but for them.
 
@@ -152,21 +156,21 @@ def _malformed_path_ids(path: str, method: str) -> list[str]:
     """
     loose: Map | None = current_app.extensions.get(_LOOSE_ROUTES)
     if loose is None:
+        # Each loose rule's endpoint is the names of its uuid parameters: what a match checks.
         loose = Map(
             [
-                Rule(_UUID_PARAMETER.sub(r"<\1>", r.rule), endpoint=r.endpoint, methods=r.methods)
+                Rule(_UUID_PARAMETER.sub(r"<\1>", r.rule), endpoint=names, methods=r.methods)
                 for r in current_app.url_map.iter_rules()
-                if _UUID_PARAMETER.search(r.rule)
+                if (names := tuple(_UUID_PARAMETER.findall(r.rule)))
             ]
         )
         current_app.extensions[_LOOSE_ROUTES] = loose
     try:
-        endpoint, values = loose.bind("").match(path, method)
+        names, values = loose.bind("").match(path, method)
     except (NotFound, MethodNotAllowed):
         return []
-    rule = next(r for r in current_app.url_map.iter_rules(str(endpoint)))
     malformed = []
-    for name in _UUID_PARAMETER.findall(rule.rule):
+    for name in names:
         try:
             uuid.UUID(str(values[name]))
         except ValueError:

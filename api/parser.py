@@ -28,7 +28,7 @@ from webargs.flaskparser import FlaskParser, is_json_request
 from werkzeug.exceptions import ClientDisconnected, HTTPException
 from werkzeug.wsgi import get_input_stream
 
-from api.errors import ErrorSchema
+from api.errors import ErrorSchema, header_fault
 
 log = logging.getLogger("fairq.api.parser")
 
@@ -292,7 +292,7 @@ class StrictJsonParser(FlaskParser):
 
 def _unsupported(message: str) -> NoReturn:
     """415, naming the `Content-Type` header as the input at fault."""
-    abort(415, message=message, errors={"headers": {"Content-Type": [message]}})
+    abort(415, message=message, errors=header_fault("Content-Type", message))
     raise AssertionError("unreachable")  # abort raises
 
 
