@@ -241,8 +241,8 @@ def process_cpu(pids: Sequence[int]) -> float | None:
 def backends_cpu(pids: Sequence[int], before: dict[int, float]) -> float | None:
     """CPU seconds these server processes used since `before` (pid to CPU seconds then).
 
-    A process not in `before` (a connection opened during the run: a worker child's
-    completion writer connects on its first write) counts from its start.
+    A process not in `before` (a connection opened during the run, after a lost one or by
+    a pool that connects lazily) counts from its start.
     """
     total = 0.0
     for pid in pids:
