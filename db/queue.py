@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -718,6 +718,7 @@ def claim(
     *,
     worker_id: str,
     batch_size: int,
+    commit: Callable[[], None] | None = None,
 ) -> list[ClaimedTask]:
     """Claim up to `batch_size` runnable tasks, weighted-fair across companies; in claim order.
 
@@ -738,33 +739,45 @@ def claim(
     The cost depends on the batch size, not on how many companies exist or have work: at most
     `batch_size` companies are read from the ring's index, and each company's tasks from an
     index range that stops after its share (docs/design.md, "The claim").
+
+    `commit`, if given, ends the transaction (`session.commit`) right after the last
+    statement, before the rows are decoded: the claimers' lock is not held while Python
+    turns a batch into `ClaimedTask`s (decision 0002). Without it the caller commits.
     """
     with driver_errors("claim"):
-        return _claim(driver_connection(session), worker_id, batch_size)
+        return _claim(driver_connection(session), worker_id, batch_size, commit)
 
 
 def _claim(
-    connection: psycopg.Connection[Any], worker_id: str, batch_size: int
+    connection: psycopg.Connection[Any],
+    worker_id: str,
+    batch_size: int,
+    commit: Callable[[], None] | None,
 ) -> list[ClaimedTask]:
-    batch: list[ClaimedTask] = []
+    # Each round's rows, decoded at once only when the round ran short (its companies'
+    # counts are needed), else left in their cursor until after `commit`.
+    rounds: list[list[ClaimedTask] | psycopg.Cursor[Any]] = []
+    claimed = 0
     exhausted: list[uuid.UUID] = []
     # Each round either fills the batch or finds companies with less runnable work than
     # their share, which leave the ring below: the rounds end.
-    while len(batch) < batch_size:
-        wanted = batch_size - len(batch)
+    while claimed < batch_size:
+        wanted = batch_size - claimed
         contenders, credit = _contenders(
             connection, wanted, exclude=exhausted, serialize=not exhausted
         )
         if not contenders:
             break
         allocation = fair_share.allocate(contenders, wanted, credit)
-        rows = connection.execute(_CLAIM, claim_parameters(worker_id, allocation)).fetchall()
-        claimed = [ClaimedTask(*row) for row in rows]
-        batch.extend(claimed)
-        if len(claimed) == sum(allocation.tasks):
+        cursor = connection.execute(_CLAIM, claim_parameters(worker_id, allocation))
+        claimed += cursor.rowcount
+        if cursor.rowcount == sum(allocation.tasks):
+            rounds.append(cursor)
             break
         # Fewer than allocated: some companies had less runnable work than their share.
-        got = collections.Counter(task.company_id for task in claimed)
+        short = [ClaimedTask._make(row) for row in cursor.fetchall()]
+        rounds.append(short)
+        got = collections.Counter(task.company_id for task in short)
         exhausted.extend(
             contenders[i].company_id
             for i in allocation.served()
@@ -772,7 +785,14 @@ def _claim(
         )
     if exhausted:
         _settle(connection, exhausted)
-    return batch
+    if commit is not None:
+        commit()
+    # A cursor keeps its result after the commit: decoding needs no server.
+    return [
+        task
+        for done in rounds
+        for task in (done if isinstance(done, list) else map(ClaimedTask._make, done.fetchall()))
+    ]
 
 
 def claim_parameters(worker_id: str, allocation: fair_share.Allocation) -> dict[str, Any]:

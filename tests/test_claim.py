@@ -235,6 +235,46 @@ def test_a_lone_company_fills_the_whole_batch(
     assert [t.id for t in claim(db_session, batch_size=100)] == tasks[100:]
 
 
+def test_a_claim_given_commit_ends_its_transaction_before_it_hands_out_the_batch(
+    fresh_engine: Engine,
+) -> None:
+    """With `commit`, the claim commits after its last statement, then decodes the rows.
+
+    The same batch in the same order as the claim its caller ends, across a short round (a
+    company with less work than its share, settled) and a full one; by the time the batch
+    is returned another session can take the claimers' lock and sees the batch claimed.
+    """
+    sessions = make_sessionmaker(fresh_engine)
+    with sessions() as setup:
+        for n in range(3):
+            company = insert_company(setup, f"c{n}")
+            insert_tasks(setup, company.id, 2 if n == 1 else 60)
+    with sessions() as claimer, fresh_engine.connect() as other:
+        # The reference: the same claim, rolled back.
+        reference = queue.claim(claimer, worker_id="test:1", batch_size=100)
+        claimer.rollback()
+        commits: list[int] = []
+
+        def commit() -> None:
+            claimer.commit()
+            commits.append(len(commits))
+
+        batch = queue.claim(claimer, worker_id="test:1", batch_size=100, commit=commit)
+
+        assert commits == [0]
+        assert other.execute(
+            text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": queue.CLAIM_LOCK_KEY}
+        ).scalar_one()
+        held = other.execute(
+            text("SELECT id FROM tasks WHERE status = 'processing' AND locked_by = 'test:1'")
+        ).scalars()
+        assert set(held) == {t.id for t in batch}
+    assert len(reference) == 100
+    assert batch == [
+        t._replace(lease_token=b.lease_token) for t, b in zip(reference, batch, strict=True)
+    ]
+
+
 def test_a_retried_task_queues_behind_work_that_became_eligible_before_it(
     db_session: Session, make_company: MakeCompany, make_task: MakeTask
 ) -> None:

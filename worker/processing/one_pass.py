@@ -337,11 +337,15 @@ class ProcessingPass:
         # earlier.
         leased_at = time.monotonic()
         started = time.perf_counter()
-        # The commit right after the claim releases its advisory lock: next claimer, go.
+        # The claim commits right after its last statement, releasing its advisory lock
+        # (next claimer, go) before it decodes the batch; write's own commit is then empty.
         batch = self.db.write(
             session,
             lambda: queue.claim(
-                session, worker_id=self.worker_id, batch_size=self.settings.batch_size
+                session,
+                worker_id=self.worker_id,
+                batch_size=self.settings.batch_size,
+                commit=session.commit,
             ),
             transaction=True,
         )
