@@ -429,13 +429,14 @@ def task_detail(connection: Connection, company_id: uuid.UUID, task_id: uuid.UUI
 # A company's newest tasks read at most, looking for its latest failures.
 FAILURE_SCAN_LIMIT = 10_000
 
-# The company's newest tasks through its listing index (company_id, created_at DESC, id DESC),
-# at most :scan of them (a heap fetch each), and of those the failed ones, newest first.
+# The company's newest tasks through its listing index (company_id, created_at DESC, id DESC)
+# WHERE status <> 'processing', at most :scan of them (a heap fetch each), and of those the
+# failed ones, newest first.
 _RECENT_FAILURES = """
 SELECT {columns}
 FROM (SELECT {columns}
       FROM tasks t
-      WHERE t.company_id = %(company_id)s
+      WHERE t.company_id = %(company_id)s AND t.status <> 'processing'
       ORDER BY t.created_at DESC, t.id DESC
       LIMIT %(scan)s) AS t
 WHERE t.status = 'failed'

@@ -290,12 +290,15 @@ class Task(Base):
             unique=True,
             postgresql_where=text("idempotency_key IS NOT NULL"),
         ),
-        # GET /companies/{id}/tasks: newest first, with a stable tiebreak.
+        # GET /companies/{id}/tasks: newest first, with a stable tiebreak. Without the
+        # leased tasks (migration 0009): a claim adds no entry here; list_tasks merges a
+        # company's leases in from ix_tasks_processing_company_locked_at.
         Index(
-            "ix_tasks_company_listing",
+            "ix_tasks_company_listing_unleased",
             "company_id",
             text("created_at DESC"),
             text("id DESC"),
+            postgresql_where=text("status <> 'processing'"),
         ),
         # Retention deletes terminal rows by age.
         Index(

@@ -95,12 +95,28 @@ FROM tasks
 WHERE id = %(id)s AND company_id = %(company_id)s
 """.replace("{columns}", _TASK_COLUMNS)
 # Absent filters are NULL parameters: one statement text, so psycopg prepares it once.
+# Two ordered ranges merged, each cut at the page's end (`window` = offset + limit): the
+# listing index, which leaves leased tasks out (migration 0009), and the company's leases
+# (their own index, a few rows sorted). A condition on parameters alone is a one-time
+# filter: a status filter skips the range that cannot hold it without reading it.
 _LIST_TASKS = """
 SELECT {columns}
-FROM tasks
-WHERE company_id = %(company_id)s
-  AND (CAST(%(status)s AS text) IS NULL OR status = CAST(%(status)s AS text))
-  AND (CAST(%(type)s AS text) IS NULL OR type = CAST(%(type)s AS text))
+FROM ((SELECT {columns}
+       FROM tasks
+       WHERE company_id = %(company_id)s AND status <> 'processing'
+         AND CAST(%(status)s AS text) IS DISTINCT FROM 'processing'
+         AND (CAST(%(status)s AS text) IS NULL OR status = CAST(%(status)s AS text))
+         AND (CAST(%(type)s AS text) IS NULL OR type = CAST(%(type)s AS text))
+       ORDER BY created_at DESC, id DESC
+       LIMIT %(window)s)
+      UNION ALL
+      (SELECT {columns}
+       FROM tasks
+       WHERE company_id = %(company_id)s AND status = 'processing'
+         AND coalesce(CAST(%(status)s AS text) = 'processing', true)
+         AND (CAST(%(type)s AS text) IS NULL OR type = CAST(%(type)s AS text))
+       ORDER BY created_at DESC, id DESC
+       LIMIT %(window)s)) AS listed
 ORDER BY created_at DESC, id DESC
 LIMIT %(limit)s OFFSET %(offset)s
 """.replace("{columns}", _TASK_COLUMNS)
@@ -377,12 +393,13 @@ def list_tasks(
 ) -> tuple[list[TaskRecord], bool]:
     """One page of the company's tasks, newest first; return `(items, has_more)`.
 
-    Ordered by `(created_at DESC, id DESC)` (served by `ix_tasks_company_listing`). `where`:
-    a session, or a psycopg connection (the API's request connection).
+    Ordered by `(created_at DESC, id DESC)`: `ix_tasks_company_listing_unleased` merged
+    with the company's leases. `where`: a session, or a psycopg connection (the API's
+    request connection).
     """
     params = {
         "company_id": company_id, "status": status, "type": type,
-        "limit": limit + 1, "offset": offset,
+        "limit": limit + 1, "offset": offset, "window": offset + limit + 1,
     }  # fmt: skip
     driver = driver_connection(where, transaction=False)
     with driver_errors("list_tasks"):

@@ -29,7 +29,7 @@ rows):
   also be the wait of a task that came due just now; the Prometheus gauge, which cannot be
   null, reports 0). Paused companies count: their tasks wait, and `paused` says why.
 - `tasks.completed`, `.failed`, `.cancelled`: a company's newest `finished` tasks through the
-  listing index (`ix_tasks_company_listing`), exact when that is all of them; the queue's
+  listing index (`ix_tasks_company_listing_unleased`), exact when that is all of them; the queue's
   finished tasks through `ix_tasks_terminal_finished_at`, exact while at most `finished`.
   Past that, never below what was counted: a company's, the sample's rows of the company in
   that status over the fraction sampled; the queue's, the planner's (table size now times the
@@ -230,9 +230,10 @@ WHERE c.id = :company_id
 """
 )
 
-# A company's newest tasks, at most finished_limit + 1, newest first through its listing
-# index (company_id, created_at DESC, id DESC): a heap fetch each for status and finished_at.
-# Fewer than that: the company's whole history, so every count is exact.
+# A company's newest tasks but its leased ones, at most finished_limit + 1, newest first
+# through its listing index (company_id, created_at DESC, id DESC) WHERE status <>
+# 'processing': a heap fetch each for status and finished_at. Fewer than that: the company's
+# whole history, so every count is exact.
 _COMPANY_HISTORY = text(
     """
 /* tenant_stats.company_history */
@@ -249,7 +250,7 @@ SELECT count(*) AS scanned,
        count(*) FILTER (WHERE h.status = 'failed' AND h.finished_at >= now() - :long_window)
            AS failed_last_60m
 FROM (SELECT t.status, t.finished_at FROM tasks t
-      WHERE t.company_id = :company_id
+      WHERE t.company_id = :company_id AND t.status <> 'processing'
       ORDER BY t.created_at DESC, t.id DESC
       LIMIT :finished_limit + 1) AS h
 """

@@ -214,6 +214,49 @@ def test_list_pages_with_limit_offset_and_has_more(
     assert ids_of(first) + ids_of(second) + ids_of(last) == newest_first
 
 
+def test_list_merges_leased_tasks_in_their_place_on_every_page_and_filter(
+    client: FlaskClient, company: CompanyWithKey, make_task: MakeTask
+) -> None:
+    """Leased (`processing`) tasks are listed from their own index (migration 0009), merged
+    with the rest by (created_at, id) descending: paging and filters see one sequence."""
+    statuses = ["processing", "pending", "completed", "processing", "failed", "processing"]
+    statuses += ["cancelled", "pending", "processing", "completed", "processing", "pending"]
+    rows = [
+        make_task(
+            company.id,
+            type="noop" if n % 2 else "sleep",
+            payload={} if n % 2 else {"seconds": 1},
+            status=status,
+            created_at=text(f"now() - interval '{n} minutes'"),
+            **(
+                {"locked_at": text("now()"), "lease_token": uuid.uuid4(), "locked_by": "w:1"}
+                if status == "processing"
+                else {"finished_at": text("now()")}
+                if status in ("completed", "failed", "cancelled")
+                else {}
+            ),
+        )
+        for n, status in enumerate(statuses)
+    ]
+    newest_first = [(str(row.id), row.status, row.type) for row in rows]
+
+    pages = [list_tasks(client, company, f"limit=5&offset={offset}") for offset in (0, 5, 10)]
+    assert [p["has_more"] for p in pages] == [True, True, False]
+    assert [i for p in pages for i in ids_of(p)] == [i for i, _, _ in newest_first]
+    filters: list[tuple[str, str | None, str | None, slice]] = [
+        ("status=processing", "processing", None, slice(None)),
+        ("status=processing&type=noop", "processing", "noop", slice(None)),
+        ("status=pending", "pending", None, slice(None)),
+        ("type=sleep", None, "sleep", slice(None)),
+        ("type=noop&limit=2&offset=1", None, "noop", slice(1, 3)),
+    ]
+    for query, status, task_type, page in filters:
+        expected = [
+            i for i, s, t in newest_first if status in (None, s) and task_type in (None, t)
+        ][page]
+        assert ids_of(list_tasks(client, company, query)) == expected, query
+
+
 def test_list_defaults_to_20_items_from_offset_0(
     client: FlaskClient, company: CompanyWithKey, make_task: MakeTask
 ) -> None:

@@ -7,6 +7,8 @@ letting PostgreSQL itself render what the models declare next to what the migrat
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -332,3 +334,69 @@ def test_task_ids_are_uuid_version_7_in_creation_order(migrated_engine: Engine) 
     assert len({u.int & ((1 << 74) - 1) for u in ids}) == 5  # the random bits differ
     for made in ids:
         assert abs(int.from_bytes(made.bytes[:6], "big") - int(now_ms)) < 60_000
+
+
+def test_the_listing_index_migration_lets_writes_go_on_while_it_builds(
+    empty_db_url: str,
+) -> None:
+    """Migration 0009 builds and drops its indexes CONCURRENTLY: writes to `tasks` go on.
+
+    A writer's transaction open at the start makes the build wait for it (as CREATE INDEX
+    CONCURRENTLY does); meanwhile, inserts, a claim-like update and a delete on other
+    connections, each under a short `lock_timeout`, are not blocked by the migration.
+    """
+    config = pg.alembic_config(empty_db_url)
+    command.upgrade(config, "0008")
+    with connect(empty_db_url) as conn:
+        # Two companies: concurrent inserts of one company queue on its backlog counter.
+        held, company = conn.execute(
+            text(
+                "INSERT INTO companies (name, api_key_hash) VALUES ('a', 'ha'), ('b', 'hb') "
+                "RETURNING id"
+            )
+        ).scalars()
+        conn.commit()
+    insert = text(
+        "INSERT INTO tasks (company_id, type, payload) VALUES (:c, 'noop', '{}') RETURNING id"
+    )
+    with connect(empty_db_url) as holder, connect(empty_db_url) as writer:
+        holder.execute(insert, {"c": held})  # left open: the build waits for it
+        migration = threading.Thread(target=command.upgrade, args=(config, "0009"))
+        migration.start()
+        try:
+            deadline = time.monotonic() + 10
+            while not _waiting_for_a_transaction(writer, "CREATE INDEX CONCURRENTLY"):
+                assert time.monotonic() < deadline, "the migration never started its build"
+                time.sleep(0.02)
+            writer.execute(text("SET lock_timeout = '2s'"))
+            task = writer.execute(insert, {"c": company}).scalar_one()
+            writer.execute(
+                text("UPDATE tasks SET status = 'processing' WHERE id = :id"), {"id": task}
+            )
+            writer.execute(text("DELETE FROM tasks WHERE id = :id"), {"id": task})
+            writer.commit()
+        finally:
+            holder.commit()
+            migration.join(30)
+    assert not migration.is_alive()
+    with connect(empty_db_url) as conn:
+        listing = conn.execute(
+            text(
+                "SELECT indexname FROM pg_indexes WHERE indexname LIKE 'ix_tasks_company_listing%'"
+            )
+        ).scalars()
+        assert list(listing) == ["ix_tasks_company_listing_unleased"]
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0009"
+
+
+def _waiting_for_a_transaction(conn: Connection, statement: str) -> bool:
+    """Whether a session running `statement` waits for another transaction to end."""
+    waiting = conn.execute(
+        text(
+            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE :statement "
+            "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+        ),
+        {"statement": f"%{statement}%"},
+    ).scalar_one()
+    conn.rollback()
+    return bool(waiting)
