@@ -1,14 +1,12 @@
 """The company listing index leaves `processing` tasks out.
 
-Every status change writes a new row version, and (non-HOT: `status` is in partial-index
-predicates) each adds an entry to every index whose predicate holds for it. In
-`ix_tasks_company_listing` (company_id, created_at DESC, id DESC) that entry has the key of
-the task's previous version, a duplicate next to it for bottom-up deletion to clear, and the
-claim writes it while every claimer waits on the claimers' lock: `EXPLAIN ANALYZE` of the
-claim's UPDATE of 100 rows gave 3.4-3.55 ms with the index and 2.2 without it. Replaced by
-`ix_tasks_company_listing_unleased`, the same key `WHERE status <> 'processing'`: a claim
-adds no listing entry; the few leased tasks of a company are listed from
-`ix_tasks_processing_company_locked_at` and merged in (`db.queue.list_tasks`).
+Every status change adds an entry to each index whose predicate holds for the new row
+version; in the listing index a claim's entry is a duplicate of the task's pending one,
+written while every other claimer waits on the claimers' lock (decision 0002, "Follow-up:
+the listing index leaves leased tasks out"). `ix_tasks_company_listing_unleased` is the same
+key `WHERE status <> 'processing'`: a claim adds no listing entry, and
+`db.queue.list_tasks` merges a company's leases in from
+`ix_tasks_processing_company_locked_at`.
 
 What it costs: no index of `tasks` covers all of a company's rows any more, so deleting a
 company (its tasks go by `ON DELETE CASCADE`) reads the table sequentially. fairq has no API
