@@ -405,7 +405,8 @@ def test_every_writer_statement_keeps_the_counters_exact(
     conn = sql()
     a, b, c = add_companies(conn, 3)
     steps: list[Callable[[], object]] = [
-        # One company: one row, a batch of mixed statuses, rows none of which count.
+        # No row; one company: one row, a batch of mixed statuses, rows none of which count.
+        lambda: insert_rows(conn, []),
         lambda: insert_rows(conn, [(a, "pending")]),
         lambda: insert_rows(conn, [(b, "pending"), (b, "processing"), (b, "completed")] * 3),
         lambda: insert_rows(conn, [(c, "failed"), (c, "cancelled")]),

@@ -81,20 +81,21 @@ _INSERTED_DELTAS_0006 = """
     FROM new_tasks n GROUP BY n.company_id
     """
 
-# One company: its counter's UPDATE is the whole count (nothing to update when no row
-# counts, or when the rows are of several companies: uuid has no min() or max(), text does).
+# One company: its counter's UPDATE is the whole count. Every row is compared with the
+# first one's company (evaluated once); nothing is updated when the rows are of several
+# companies, when none counts, or when there are none (bool_and of no rows is NULL).
 # max_pending is NULL for no quota, and the comparison then never holds.
 _ONE_COMPANY = """
     WITH added AS (
-        SELECT min(CAST(n.company_id AS text)) AS first_id,
-               max(CAST(n.company_id AS text)) AS last_id,
+        SELECT bool_and(n.company_id = (SELECT f.company_id FROM new_tasks f LIMIT 1)) AS alone,
                count(*) FILTER (WHERE n.status IN ('pending', 'processing')) AS delta
         FROM new_tasks n
     )
     UPDATE company_backlogs b
     SET unfinished = b.unfinished + a.delta
     FROM added a
-    WHERE a.first_id = a.last_id AND a.delta <> 0 AND b.company_id = CAST(a.first_id AS uuid)
+    WHERE a.alone AND a.delta <> 0
+      AND b.company_id = (SELECT f.company_id FROM new_tasks f LIMIT 1)
     RETURNING b.company_id, b.unfinished, a.delta,
               (SELECT c.max_pending FROM companies c WHERE c.id = b.company_id) AS max_pending
     INTO over;
