@@ -13,15 +13,15 @@ being the count before the statement). What changes is how:
   before commits, and READ COMMITTED re-reads the row they waited for), and a single row is
   trivially locked in `company_id` order. The statement has no parameters, so PL/pgSQL keeps
   one generic plan for it.
-- Rows of several companies, or rows none of which count: 0006's statements unchanged
-  (aggregate per company, lock the counters in `company_id` order, update, check).
+- Rows of several companies, rows none of which count, or no rows: 0006's statements
+  unchanged (aggregate per company, lock the counters in `company_id` order, update, check).
 
 Why: 0006's three statements passed the companies and their deltas as PL/pgSQL arrays, so
 two of them had parameters, and where the plan cache found custom plans cheaper it planned
 both again at every create (decision 0006, "Follow-up: the create's count in one
 statement").
 
-On a live table: CREATE OR REPLACE FUNCTION takes no lock on `tasks`; statements that start
+On a live table: CREATE OR REPLACE FUNCTION takes no lock on `tasks`; the trigger's calls
 after the commit run the new body.
 
 Revision ID: 0010
