@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 import uuid
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import psycopg
 import pytest
 import requests
 from flask.testing import FlaskClient
@@ -23,6 +26,7 @@ from werkzeug.test import TestResponse
 
 from api import errors
 from db import queue
+from tests import pg
 from tests.conftest import ADMIN_TOKEN, serve_app
 from tests.factories import CompanyWithKey, MakeTask, count_tasks, insert_company, json_of
 
@@ -317,3 +321,256 @@ def test_20_parallel_creators_at_the_quota_never_exceed_it_and_the_201s_add_up(
     # 60 single creates cannot all fit in 30 slots, and one is refused only at a full
     # backlog, which never shrinks here: the quota is reached exactly.
     assert stored == quota
+
+
+# ---------------------------------------------------------------------------------------------
+# The counter as any writer keeps it: plain SQL on the triggers (migrations 0006 and 0010).
+# A statement inserting rows of one company takes migration 0010's one-statement count; rows
+# of several companies take 0006's (per company, counters locked in company_id order).
+# ---------------------------------------------------------------------------------------------
+
+UNFINISHED_MISMATCHES = """
+SELECT c.id, b.unfinished,
+       (SELECT count(*) FROM tasks t
+        WHERE t.company_id = c.id AND t.status IN ('pending', 'processing')) AS counted
+FROM companies c JOIN company_backlogs b ON b.company_id = c.id
+"""
+
+
+def add_companies(conn: psycopg.Connection[Any], count: int) -> list[uuid.UUID]:
+    """`count` companies (committed), in company_id order: the order counters are locked in."""
+    rows = conn.execute(
+        "INSERT INTO companies (name, api_key_hash) "
+        "SELECT 'c' || n, 'hash-' || gen_random_uuid() FROM generate_series(1, %s) n "
+        "RETURNING id",
+        [count],
+    ).fetchall()
+    return sorted(row[0] for row in rows)
+
+
+def insert_rows(
+    conn: psycopg.Connection[Any], rows: list[tuple[uuid.UUID, str]]
+) -> psycopg.Cursor[Any]:
+    """One INSERT of `(company_id, status)` rows, whatever their companies."""
+    return conn.execute(
+        "INSERT INTO tasks (company_id, type, payload, status) "
+        "SELECT company_id, 'noop', '{}', status FROM unnest(%s::uuid[], %s::text[]) "
+        "AS r(company_id, status)",
+        [[company for company, _ in rows], [status for _, status in rows]],
+    )
+
+
+def counts_of(conn: psycopg.Connection[Any]) -> list[tuple[uuid.UUID, int, int]]:
+    """Every company's `(id, counter, unfinished rows)`."""
+    return [(row[0], int(row[1]), int(row[2])) for row in conn.execute(UNFINISHED_MISMATCHES)]
+
+
+def assert_counters_exact(conn: psycopg.Connection[Any]) -> None:
+    """Every company's counter equals its pending and processing rows."""
+    wrong = [row for row in counts_of(conn) if row[1] != row[2]]
+    assert wrong == []
+
+
+def set_quota(conn: psycopg.Connection[Any], company_id: uuid.UUID, quota: int | None) -> None:
+    conn.execute("UPDATE companies SET max_pending = %s WHERE id = %s", [quota, company_id])
+
+
+def wait_until_blocked(observer: psycopg.Connection[Any], pid: int) -> None:
+    """Return once backend `pid` waits for a lock another backend holds (10 s at most)."""
+    deadline = time.monotonic() + 10
+    blocked = "SELECT cardinality(pg_blocking_pids(%s)) > 0"
+    while observer.execute(blocked, [pid]).fetchall() != [(True,)]:
+        assert time.monotonic() < deadline, f"backend {pid} never waited for a lock"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def sql(fresh_db_url: str) -> Iterator[Callable[..., psycopg.Connection[Any]]]:
+    """`sql(autocommit=True)` -> a new psycopg connection to a fresh migrated database."""
+    opened: list[psycopg.Connection[Any]] = []
+
+    def connect(*, autocommit: bool = True) -> psycopg.Connection[Any]:
+        conn = psycopg.connect(pg.libpq(fresh_db_url), autocommit=autocommit)
+        opened.append(conn)
+        return conn
+
+    yield connect
+    for conn in opened:
+        conn.close()
+
+
+def test_every_writer_statement_keeps_the_counters_exact(
+    sql: Callable[..., psycopg.Connection[Any]],
+) -> None:
+    conn = sql()
+    a, b, c = add_companies(conn, 3)
+    steps: list[Callable[[], object]] = [
+        # No row; one company: one row, a batch of mixed statuses, rows none of which count.
+        lambda: insert_rows(conn, []),
+        lambda: insert_rows(conn, [(a, "pending")]),
+        lambda: insert_rows(conn, [(b, "pending"), (b, "processing"), (b, "completed")] * 3),
+        lambda: insert_rows(conn, [(c, "failed"), (c, "cancelled")]),
+        # Several companies in one statement.
+        lambda: insert_rows(conn, [(c, "pending"), (a, "pending"), (b, "failed"), (c, "pending")]),
+        # A claim (no count changes), completions, a retry, cancels, deletes.
+        lambda: conn.execute("UPDATE tasks SET status = 'processing' WHERE status = 'pending' "),
+        lambda: conn.execute(
+            "UPDATE tasks SET status = 'completed' "
+            "WHERE id IN (SELECT id FROM tasks WHERE status = 'processing' LIMIT 3)"
+        ),
+        lambda: conn.execute("UPDATE tasks SET status = 'pending' WHERE status = 'failed'"),
+        lambda: conn.execute("UPDATE tasks SET status = 'cancelled' WHERE company_id = %s", [a]),
+        lambda: conn.execute("DELETE FROM tasks WHERE company_id = %s", [b]),
+        lambda: insert_rows(conn, [(b, "pending")]),
+        lambda: conn.execute("TRUNCATE tasks"),
+        lambda: insert_rows(conn, [(a, "processing"), (a, "pending")]),
+    ]
+
+    seen: list[list[int]] = []
+    for step in steps:
+        step()
+        assert_counters_exact(conn)
+        seen.append([counter for _, counter, _ in counts_of(conn)])
+
+    # The counters moved (the check above is not vacuous), and TRUNCATE zeroed them.
+    assert max(sum(counters) for counters in seen) > 0
+    assert sum(seen[-2]) == 0
+    assert sum(seen[-1]) == 2
+
+
+@pytest.mark.parametrize(
+    ("rows_of", "adding"),
+    [
+        pytest.param(lambda a, b: [(a, "pending")], 1, id="one-row"),
+        pytest.param(
+            lambda a, b: [(a, "pending"), (a, "processing"), (a, "failed")], 2, id="one-company"
+        ),
+        pytest.param(
+            lambda a, b: [(b, "pending"), (a, "pending"), (a, "pending")], 2, id="two-companies"
+        ),
+    ],
+)
+def test_a_statement_beyond_the_quota_fails_whole_with_the_numbers(
+    sql: Callable[..., psycopg.Connection[Any]],
+    rows_of: Callable[[uuid.UUID, uuid.UUID], list[tuple[uuid.UUID, str]]],
+    adding: int,
+) -> None:
+    conn = sql()
+    a, b = add_companies(conn, 2)
+    set_quota(conn, a, 3)
+    insert_rows(conn, [(a, "pending"), (a, "processing"), (a, "pending")])
+    before = counts_of(conn)
+
+    with pytest.raises(psycopg.Error) as refused:
+        insert_rows(conn, rows_of(a, b))
+
+    assert refused.value.sqlstate == "FQ429"
+    assert refused.value.diag.message_primary == "backlog quota exceeded"
+    assert refused.value.diag.message_detail == (
+        f"company={a} max_pending=3 unfinished=3 adding={adding}"
+    )
+    assert counts_of(conn) == before
+    set_quota(conn, a, 3 + adding)
+    insert_rows(conn, rows_of(a, b))  # exactly at the quota: accepted
+    assert_counters_exact(conn)
+
+
+@pytest.mark.parametrize("first_ends", ["commit", "rollback"])
+def test_concurrent_inserts_at_the_edge_queue_on_the_counter(
+    sql: Callable[..., psycopg.Connection[Any]], first_ends: str
+) -> None:
+    """The second insert waits for the first's counter; it sees the first's outcome."""
+    setup, first, second = sql(), sql(autocommit=False), sql(autocommit=False)
+    (company,) = add_companies(setup, 1)
+    set_quota(setup, company, 2)
+    insert_rows(setup, [(company, "pending")])
+    insert_rows(first, [(company, "pending")])  # the last slot, not committed yet
+    second_pid = second.info.backend_pid
+    outcome: list[BaseException | None] = []
+
+    def insert_second() -> None:
+        try:
+            insert_rows(second, [(company, "pending")])
+            second.commit()
+            outcome.append(None)
+        except psycopg.Error as error:
+            second.rollback()
+            outcome.append(error)
+
+    waiter = threading.Thread(target=insert_second)
+    waiter.start()
+    wait_until_blocked(setup, second_pid)
+    getattr(first, first_ends)()
+    waiter.join(30)
+
+    assert not waiter.is_alive()
+    if first_ends == "commit":
+        assert isinstance(outcome[0], psycopg.Error)
+        assert outcome[0].sqlstate == "FQ429"
+        assert outcome[0].diag.message_detail == (
+            f"company={company} max_pending=2 unfinished=2 adding=1"
+        )
+    else:
+        assert outcome == [None]
+    assert counts_of(setup) == [(company, 2, 2)]
+
+
+def test_counters_are_locked_in_company_id_order(
+    sql: Callable[..., psycopg.Connection[Any]],
+) -> None:
+    """A two-company insert waiting on the lower company's counter holds no other counter.
+
+    So an insert of the higher company alone goes through meanwhile; in the other order the
+    two could each hold the counter the other waits for.
+    """
+    setup = sql()
+    holder, both, other = sql(autocommit=False), sql(autocommit=False), sql()
+    lower, higher = add_companies(setup, 2)
+    insert_rows(holder, [(lower, "pending")])
+    both_pid = both.info.backend_pid
+
+    def insert_both() -> None:
+        insert_rows(both, [(higher, "pending"), (lower, "pending")])
+        both.commit()
+
+    waiter = threading.Thread(target=insert_both)
+    waiter.start()
+    wait_until_blocked(setup, both_pid)
+
+    other.execute("SET lock_timeout = '5s'")
+    insert_rows(other, [(higher, "pending")])  # not blocked by the waiting statement
+    holder.commit()
+    waiter.join(30)
+
+    assert not waiter.is_alive()
+    assert sorted((c, n) for c, n, _ in counts_of(setup)) == [(lower, 2), (higher, 2)]
+    assert_counters_exact(setup)
+
+
+def test_a_create_plans_no_statement_once_its_plans_are_cached(
+    sql: Callable[..., psycopg.Connection[Any]],
+) -> None:
+    """The create's statement and every trigger it fires run on cached generic plans.
+
+    What PostgreSQL plans is reported by `log_planner_stats`, one notice per planning.
+    """
+    conn = sql()
+    companies = add_companies(conn, 4)
+    notices: list[str] = []
+    conn.add_notice_handler(lambda notice: notices.append(str(notice.message_primary)))
+
+    def create(n: int) -> None:
+        queue.create_task(
+            conn, company_id=companies[n % 4], type="noop", payload={}, notify_channel="fq"
+        )
+
+    for n in range(12):
+        create(n)
+    conn.execute("SET client_min_messages = log")
+    conn.execute("SET log_planner_stats = on")
+    notices.clear()
+    for n in range(8):
+        create(n)
+
+    assert [notice for notice in notices if "PLANNER" in notice] == []
+    assert_counters_exact(conn)

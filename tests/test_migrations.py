@@ -400,3 +400,26 @@ def _waiting_for_a_transaction(conn: Connection, statement: str) -> bool:
     ).scalar_one()
     conn.rollback()
     return bool(waiting)
+
+
+COUNT_INSERTED_SOURCE = text(
+    "SELECT md5(prosrc) FROM pg_proc WHERE proname = 'fairq_count_inserted'"
+)
+
+
+def test_the_insert_count_migration_downgrades_to_0006s_function(empty_db_url: str) -> None:
+    """Migration 0010 replaces `fairq_count_inserted()`'s body; its downgrade puts 0006's back."""
+    config = pg.alembic_config(empty_db_url)
+    command.upgrade(config, "0009")
+    with connect(empty_db_url) as conn:
+        before = conn.execute(COUNT_INSERTED_SOURCE).scalar_one()
+
+    command.upgrade(config, "0010")
+    with connect(empty_db_url) as conn:
+        upgraded = conn.execute(COUNT_INSERTED_SOURCE).scalar_one()
+    command.downgrade(config, "0009")
+    with connect(empty_db_url) as conn:
+        downgraded = conn.execute(COUNT_INSERTED_SOURCE).scalar_one()
+
+    assert upgraded != before
+    assert downgraded == before
