@@ -31,6 +31,7 @@ Create Date: 2026-12-04
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 
 from alembic import op
@@ -40,46 +41,8 @@ down_revision: str | None = "0009"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# Migration 0006's statements, as 0006 builds them for the insert (kept verbatim: the
-# downgrade restores exactly 0006's function, and the upgrade falls back to them).
-_APPLY_BACKLOG_DELTAS_0006 = """
-    SELECT array_agg(d.company_id ORDER BY d.company_id), array_agg(d.delta ORDER BY d.company_id)
-    INTO ids, deltas
-    FROM ({deltas}) d
-    WHERE d.delta <> 0;
-    IF ids IS NULL THEN
-        RETURN NULL;
-    END IF;
-    PERFORM 1 FROM company_backlogs b
-    WHERE b.company_id = ANY(ids)
-    ORDER BY b.company_id
-    FOR NO KEY UPDATE;
-    WITH moved AS (
-        UPDATE company_backlogs b
-        SET unfinished = b.unfinished + u.delta
-        FROM unnest(ids, deltas) AS u(company_id, delta)
-        WHERE b.company_id = u.company_id
-        RETURNING b.company_id, b.unfinished, u.delta
-    )
-    SELECT m.company_id, c.max_pending, m.unfinished, m.delta
-    INTO over
-    FROM moved m JOIN companies c ON c.id = m.company_id
-    WHERE m.delta > 0 AND c.max_pending IS NOT NULL AND m.unfinished > c.max_pending
-    LIMIT 1;
-    IF FOUND THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'FQ429',
-            MESSAGE = 'backlog quota exceeded',
-            DETAIL = format('company=%s max_pending=%s unfinished=%s adding=%s',
-                            over.company_id, over.max_pending,
-                            over.unfinished - over.delta, over.delta);
-    END IF;
-    RETURN NULL;
-"""
-_INSERTED_DELTAS_0006 = """
-    SELECT n.company_id, sum(CAST(n.status IN ('pending', 'processing') AS int)) AS delta
-    FROM new_tasks n GROUP BY n.company_id
-    """
+# Migration 0006, whose function this one extends and its downgrade restores to the letter.
+_0006 = importlib.import_module("migrations.versions.0006_tenant_controls")
 
 # One company: its counter's UPDATE is the whole count. Every row is compared with the
 # first one's company (evaluated once); nothing is updated when the rows are of several
@@ -113,19 +76,12 @@ _ONE_COMPANY = """
 """
 
 
-def _count_inserted(body: str) -> str:
-    """CREATE OR REPLACE `fairq_count_inserted()` with `body` (0006's declarations)."""
-    return (
-        "CREATE OR REPLACE FUNCTION fairq_count_inserted() RETURNS trigger "
-        "LANGUAGE plpgsql AS $$\n"
-        "DECLARE\n    ids uuid[];\n    deltas bigint[];\n    over record;\n"
-        f"BEGIN\n{body}END\n$$"
-    )
-
-
-_GENERAL = _APPLY_BACKLOG_DELTAS_0006.replace("{deltas}", _INSERTED_DELTAS_0006)
-COUNT_INSERTED = _count_inserted(_ONE_COMPANY + _GENERAL)
-COUNT_INSERTED_0006 = _count_inserted(_GENERAL)
+# 0006's `CREATE FUNCTION fairq_count_inserted()`, replacing the body in place.
+COUNT_INSERTED_0006: str = _0006._COUNT_INSERTED.replace(
+    "CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1
+)
+# The one-company statement first; 0006's statements after it, for every other insert.
+COUNT_INSERTED = COUNT_INSERTED_0006.replace("BEGIN\n", "BEGIN\n" + _ONE_COMPANY, 1)
 
 
 def upgrade() -> None:
