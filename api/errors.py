@@ -6,7 +6,6 @@ Every error response has the shape `{"code", "status", "message", "errors"?}` (d
 from __future__ import annotations
 
 import re
-import uuid
 from typing import Any
 
 from flask import Flask, current_app, request
@@ -15,6 +14,7 @@ from marshmallow import Schema, fields
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 from werkzeug.routing import Map, Rule
+from werkzeug.routing.converters import UUIDConverter
 
 from db import errors as db_errors
 from db import models
@@ -53,6 +53,7 @@ _UUID_PARAMETER = re.compile(r"<uuid:(\w+)>")
 # The app's routes with their `uuid` segments as plain strings (`_malformed_path_ids`).
 _LOOSE_ROUTES = "fairq.loose_routes"
 NOT_A_UUID = "Not a valid UUID."
+_ROUTE_UUID = re.compile(UUIDConverter.regex)
 
 # status -> (domain error type) for the errors `db` raises on purpose.
 _DOMAIN_STATUS: tuple[tuple[type[db_errors.DomainError], int], ...] = (
@@ -169,13 +170,9 @@ def _malformed_path_ids(path: str, method: str) -> list[str]:
         names, values = loose.bind("").match(path, method)
     except (NotFound, MethodNotAllowed):
         return []
-    malformed = []
-    for name in names:
-        try:
-            uuid.UUID(str(values[name]))
-        except ValueError:
-            malformed.append(name)
-    return malformed
+    # The routes' own rule (werkzeug's converter), not `uuid.UUID`, which also takes braces,
+    # a `urn:uuid:` prefix or no hyphens that the routes refuse.
+    return [name for name in names if not _ROUTE_UUID.fullmatch(str(values[name]))]
 
 
 def _field_errors(errors: Any, path: str = "") -> list[tuple[str, str]]:

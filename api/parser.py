@@ -45,6 +45,8 @@ _MAX_INT_DIGITS = 309
 _UTF8_CHARSETS = frozenset({"utf-8", "utf8"})
 
 REPEATED_PARAMETER = "given more than once; send it once"
+# marshmallow's message for an unknown field, also for a query parameter no schema declares.
+UNKNOWN_FIELD = "Unknown field."
 
 # flask-smorest's keywords of `Blueprint.arguments` that only document; any other is webargs'.
 _DOC_ONLY_KEYWORDS = frozenset({"content_type", "required", "description", "example", "examples"})
@@ -299,12 +301,62 @@ def _unsupported(message: str) -> NoReturn:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# The attribute that marks a view (a function, or a MethodView's method) whose arguments
+# include the query string: `Blueprint.arguments` sets it, `functools.wraps` carries it up.
+_TAKES_QUERY = "_fairq_takes_query"
+_QUERY_LOCATIONS = frozenset({"query", "querystring"})
+
+
+def _refuse_undeclared_query() -> None:
+    """422 naming each query parameter of a request whose view takes none.
+
+    A view that declares query arguments has its schema refuse the unknown ones
+    (`StrictJsonParser`); the others would ignore `?priority=high` without a word.
+    """
+    request = flask.request
+    if not request.args:
+        return
+    view = flask.current_app.view_functions.get(request.endpoint or "")
+    view_class = getattr(view, "view_class", None)
+    if view_class is not None:
+        method = request.method.lower()
+        view = getattr(view_class, method, None) or (
+            getattr(view_class, "get", None) if method == "head" else None
+        )
+    if view is None or getattr(view, _TAKES_QUERY, False):
+        return
+    abort(422, errors={"query": {name: [UNKNOWN_FIELD] for name in request.args}})
+
+
 class Blueprint(flask_smorest.Blueprint):  # type: ignore[misc]  # untyped library
-    """flask-smorest Blueprint using `StrictJsonParser` for every argument."""
+    """flask-smorest Blueprint using `StrictJsonParser` for every argument.
+
+    `strict_query`: a query parameter that none of the view's arguments declares is a 422
+    naming it (`_refuse_undeclared_query`). Off for probes that load balancers may call
+    with a cache-busting query string.
+    """
 
     ARGUMENTS_PARSER = StrictJsonParser()
 
+    def __init__(self, *args: Any, strict_query: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if strict_query:
+            self.before_request(_refuse_undeclared_query)
+
     def arguments(self, schema: Any, *, location: str = "json", **kwargs: Any) -> Callable[[F], F]:
+        """flask-smorest's `arguments`, parsed leaner; a query location marks the view."""
+        decorate = self._arguments(schema, location=location, **kwargs)
+        if location not in _QUERY_LOCATIONS:
+            return decorate
+
+        def marked(view: F) -> F:
+            decorated = decorate(view)
+            setattr(decorated, _TAKES_QUERY, True)
+            return decorated
+
+        return marked
+
+    def _arguments(self, schema: Any, *, location: str, **kwargs: Any) -> Callable[[F], F]:
         """flask-smorest's `arguments`: the same documentation and arguments, parsed leaner.
 
         flask-smorest wraps the view in a wrapper of its own and in webargs' `use_args`,

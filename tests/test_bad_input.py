@@ -597,6 +597,10 @@ def test_email_subject_with_a_line_break_is_422_and_nothing_is_stored(
         ("GET", "/companies/nope/tasks", ["company_id"]),
         ("GET", "/companies/nope/tasks/also-not", ["company_id", "task_id"]),
         ("POST", "/companies/1/task-batches", ["company_id"]),
+        # Forms Python's uuid.UUID reads but the routes refuse.
+        ("GET", "/companies/{{{company}}}/tasks", ["company_id"]),
+        ("GET", "/companies/{company.hex}/tasks", ["company_id"]),
+        ("GET", "/companies/urn:uuid:{company}/tasks", ["company_id"]),
     ],
 )
 def test_a_path_id_that_is_not_a_uuid_is_a_404_naming_it(

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 from flask.testing import FlaskClient
-from sqlalchemy import Engine, func, pool, select
+from sqlalchemy import Engine, func, pool, select, text
 from sqlalchemy.orm import Session
 from werkzeug.test import TestResponse
 
@@ -513,6 +513,42 @@ def test_unknown_query_parameters_are_422_naming_each(
     error = assert_error(response, 422, "query.stauts")
     assert sorted(error["errors"]["query"]) == ["LIMIT", "limit_", "stauts"]
     assert error["errors"]["query"]["stauts"] == ["Unknown field."]
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/companies/{company}/tasks"),
+        ("POST", "/companies/{company}/task-batches"),
+        ("GET", "/companies/{company}"),
+        ("GET", "/companies/{company}/stats"),
+        ("POST", "/companies/{company}/pause"),
+        ("POST", "/companies/{company}/resume"),
+    ],
+)
+def test_a_query_parameter_of_a_view_that_takes_none_is_422_naming_it(
+    client: FlaskClient, company: CompanyWithKey, db_session: Session, method: str, path: str
+) -> None:
+    # `?priority=high` on a create must not create a task that ignored it.
+    body = {"type": "noop", "payload": {}}
+    json_body = {"tasks": [body]} if path.endswith("task-batches") else body
+    response = client.open(
+        path.format(company=company.id) + "?priority=high&run_at=later",
+        method=method,
+        headers=company.headers,
+        json=json_body if method == "POST" else None,
+    )
+
+    error = assert_error(response, 422, "query.priority")
+    unknown = ["Unknown field."]
+    assert error["errors"]["query"] == {"priority": unknown, "run_at": unknown}
+    assert db_session.execute(text("SELECT count(*) FROM tasks")).scalar_one() == 0
+    assert not db_session.execute(text("SELECT bool_or(paused) FROM companies")).scalar_one()
+
+
+def test_probes_answer_whatever_query_string_a_load_balancer_adds(client: FlaskClient) -> None:
+    assert client.get("/health?ts=1").status_code == 200
+    assert client.get("/task-types?ts=1").status_code == 200
 
 
 # --- Paths, methods and tokens ---------------------------------------------------------------

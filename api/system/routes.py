@@ -14,7 +14,10 @@ from api import database
 from api.parser import Blueprint
 from worker import tasktypes
 
-blp = Blueprint("system", __name__, description="Health, readiness and task types.")
+# Probes answer whatever query string a load balancer adds.
+blp = Blueprint(
+    "system", __name__, description="Health, readiness and task types.", strict_query=False
+)
 
 
 class HealthSchema(Schema):
