@@ -515,6 +515,50 @@ def test_concurrent_inserts_at_the_edge_queue_on_the_counter(
     assert counts_of(setup) == [(company, 2, 2)]
 
 
+@pytest.mark.parametrize(
+    ("before", "after", "refused"), [(100, 1, True), (2, 10, False), (None, 1, True)]
+)
+def test_a_quota_changed_while_an_insert_waits_for_the_counter_is_the_one_checked(
+    sql: Callable[..., psycopg.Connection[Any]],
+    before: int | None,
+    after: int,
+    refused: bool,
+) -> None:
+    """The quota is read after the wait for the counter, not from the insert's first snapshot."""
+    setup, first, second = sql(), sql(autocommit=False), sql(autocommit=False)
+    (company,) = add_companies(setup, 1)
+    set_quota(setup, company, before)
+    insert_rows(first, [(company, "pending")])  # holds the counter, not committed yet
+    second_pid = second.info.backend_pid
+    outcome: list[BaseException | None] = []
+
+    def insert_second() -> None:
+        try:
+            insert_rows(second, [(company, "pending")])
+            second.commit()
+            outcome.append(None)
+        except psycopg.Error as error:
+            second.rollback()
+            outcome.append(error)
+
+    waiter = threading.Thread(target=insert_second)
+    waiter.start()
+    wait_until_blocked(setup, second_pid)
+    set_quota(setup, company, after)  # committed while the second insert waits
+    first.commit()
+    waiter.join(30)
+
+    assert not waiter.is_alive()
+    if refused:
+        assert isinstance(outcome[0], psycopg.Error)
+        assert outcome[0].diag.message_detail == (
+            f"company={company} max_pending={after} unfinished=1 adding=1"
+        )
+    else:
+        assert outcome == [None]
+    assert_counters_exact(setup)
+
+
 def test_counters_are_locked_in_company_id_order(
     sql: Callable[..., psycopg.Connection[Any]],
 ) -> None:

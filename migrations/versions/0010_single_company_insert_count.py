@@ -7,12 +7,13 @@ exceeded`, DETAIL `company=<id> max_pending=<n> unfinished=<n> adding=<n>`, `unf
 being the count before the statement). What changes is how:
 
 - Rows of one company (every create and batch of the API): one UPDATE of the company's
-  counter row, which aggregates the transition table itself and returns the new count with
-  the company's `max_pending`. Its row lock is the only counter lock the statement takes, so
-  the check is race-free as before (concurrent creates queue on that row until the one
-  before commits, and READ COMMITTED re-reads the row they waited for), and a single row is
-  trivially locked in `company_id` order. The statement has no parameters, so PL/pgSQL keeps
-  one generic plan for it.
+  counter row, which aggregates the transition table itself and returns the new count, then
+  a read of the company's `max_pending` in a statement of its own, after the counter's lock
+  (a quota changed while the insert waited is the one checked, as under 0006). The counter's
+  row lock is the only one the statement takes, so the check is race-free as before
+  (concurrent creates queue on that row until the one before commits, and READ COMMITTED
+  re-reads the row they waited for), and a single row is trivially locked in `company_id`
+  order. Neither statement has parameters, so PL/pgSQL keeps one generic plan for each.
 - Rows of several companies, rows none of which count, or no rows: 0006's statements
   unchanged (aggregate per company, lock the counters in `company_id` order, update, check).
 
@@ -41,13 +42,15 @@ down_revision: str | None = "0009"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# Migration 0006, whose function this one extends and its downgrade restores to the letter.
+# Migration 0006: its function is what this one extends, and what its downgrade restores.
 _0006 = importlib.import_module("migrations.versions.0006_tenant_controls")
 
 # One company: its counter's UPDATE is the whole count. Every row is compared with the
-# first one's company (evaluated once); nothing is updated when the rows are of several
-# companies, when none counts, or when there are none (bool_and of no rows is NULL).
-# max_pending is NULL for no quota, and the comparison then never holds.
+# first one's company; nothing is updated when the rows are of several companies, when none
+# counts, or when there are none (bool_and of no rows is NULL). The quota is read by a
+# statement of its own, whose snapshot comes after the counter's lock: a quota changed while
+# this insert waited for the one before it is the quota checked. NULL (no quota) never
+# compares greater.
 _ONE_COMPANY = """
     WITH added AS (
         SELECT bool_and(n.company_id = (SELECT f.company_id FROM new_tasks f LIMIT 1)) AS alone,
@@ -59,16 +62,18 @@ _ONE_COMPANY = """
     FROM added a
     WHERE a.alone AND a.delta <> 0
       AND b.company_id = (SELECT f.company_id FROM new_tasks f LIMIT 1)
-    RETURNING b.company_id, b.unfinished, a.delta,
-              (SELECT c.max_pending FROM companies c WHERE c.id = b.company_id) AS max_pending
+    RETURNING b.company_id, b.unfinished, a.delta
     INTO over;
     IF FOUND THEN
-        IF over.unfinished > over.max_pending THEN
+        SELECT c.max_pending INTO quota
+        FROM companies c
+        WHERE c.id = (SELECT f.company_id FROM new_tasks f LIMIT 1);
+        IF over.unfinished > quota THEN
             RAISE EXCEPTION USING
                 ERRCODE = 'FQ429',
                 MESSAGE = 'backlog quota exceeded',
                 DETAIL = format('company=%s max_pending=%s unfinished=%s adding=%s',
-                                over.company_id, over.max_pending,
+                                over.company_id, quota,
                                 over.unfinished - over.delta, over.delta);
         END IF;
         RETURN NULL;
@@ -80,8 +85,13 @@ _ONE_COMPANY = """
 COUNT_INSERTED_0006: str = _0006._COUNT_INSERTED.replace(
     "CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1
 )
-# The one-company statement first; 0006's statements after it, for every other insert.
-COUNT_INSERTED = COUNT_INSERTED_0006.replace("BEGIN\n", "BEGIN\n" + _ONE_COMPANY, 1)
+# The one-company statements first; 0006's statements after them, for every other insert.
+COUNT_INSERTED = COUNT_INSERTED_0006.replace(
+    "DECLARE\n", "DECLARE\n    quota integer;\n", 1
+).replace("BEGIN\n", "BEGIN\n" + _ONE_COMPANY, 1)
+# Both places found in 0006's text (`replace` would say nothing if one were missing).
+assert COUNT_INSERTED.count("quota integer") == 1
+assert _ONE_COMPANY in COUNT_INSERTED
 
 
 def upgrade() -> None:
