@@ -384,6 +384,30 @@ def wait_until_blocked(observer: psycopg.Connection[Any], pid: int) -> None:
         time.sleep(0.01)
 
 
+def insert_waiting(
+    conn: psycopg.Connection[Any], company: uuid.UUID, *, observer: psycopg.Connection[Any]
+) -> tuple[threading.Thread, list[psycopg.Error | None]]:
+    """Insert one pending task of `company` on `conn` in a thread; return once it waits.
+
+    The list gets None once the insert has committed, or its error once rolled back.
+    """
+    outcome: list[psycopg.Error | None] = []
+
+    def insert() -> None:
+        try:
+            insert_rows(conn, [(company, "pending")])
+            conn.commit()
+            outcome.append(None)
+        except psycopg.Error as error:
+            conn.rollback()
+            outcome.append(error)
+
+    waiter = threading.Thread(target=insert)
+    waiter.start()
+    wait_until_blocked(observer, conn.info.backend_pid)
+    return waiter, outcome
+
+
 @pytest.fixture
 def sql(fresh_db_url: str) -> Iterator[Callable[..., psycopg.Connection[Any]]]:
     """`sql(autocommit=True)` -> a new psycopg connection to a fresh migrated database."""
@@ -485,21 +509,7 @@ def test_concurrent_inserts_at_the_edge_queue_on_the_counter(
     set_quota(setup, company, 2)
     insert_rows(setup, [(company, "pending")])
     insert_rows(first, [(company, "pending")])  # the last slot, not committed yet
-    second_pid = second.info.backend_pid
-    outcome: list[BaseException | None] = []
-
-    def insert_second() -> None:
-        try:
-            insert_rows(second, [(company, "pending")])
-            second.commit()
-            outcome.append(None)
-        except psycopg.Error as error:
-            second.rollback()
-            outcome.append(error)
-
-    waiter = threading.Thread(target=insert_second)
-    waiter.start()
-    wait_until_blocked(setup, second_pid)
+    waiter, outcome = insert_waiting(second, company, observer=setup)
     getattr(first, first_ends)()
     waiter.join(30)
 
@@ -529,21 +539,7 @@ def test_a_quota_changed_while_an_insert_waits_for_the_counter_is_the_one_checke
     (company,) = add_companies(setup, 1)
     set_quota(setup, company, before)
     insert_rows(first, [(company, "pending")])  # holds the counter, not committed yet
-    second_pid = second.info.backend_pid
-    outcome: list[BaseException | None] = []
-
-    def insert_second() -> None:
-        try:
-            insert_rows(second, [(company, "pending")])
-            second.commit()
-            outcome.append(None)
-        except psycopg.Error as error:
-            second.rollback()
-            outcome.append(error)
-
-    waiter = threading.Thread(target=insert_second)
-    waiter.start()
-    wait_until_blocked(setup, second_pid)
+    waiter, outcome = insert_waiting(second, company, observer=setup)
     set_quota(setup, company, after)  # committed while the second insert waits
     first.commit()
     waiter.join(30)
