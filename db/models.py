@@ -179,22 +179,6 @@ class CompanyQueue(Base):
     )
 
 
-class ClaimCursor(Base):
-    """Where the next claim continues the ring: one row.
-
-    `credit` is what the company at `ring_position` has left of its quantum (its weight)
-    when the last batch filled up in the middle of its turn; 0 means start after it.
-    """
-
-    __tablename__ = "claim_cursor"
-
-    id: Mapped[bool] = mapped_column(Boolean, primary_key=True, server_default=text("true"))
-    ring_position: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
-    credit: Mapped[int] = mapped_column(nullable=False, server_default=text("0"))
-
-    __table_args__ = (CheckConstraint("id", name="single_row"),)
-
-
 _status_values = ", ".join(f"'{s.value}'" for s in TaskStatus)
 
 

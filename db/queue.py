@@ -3,7 +3,8 @@
 One cohesive thing, kept in one module on purpose: the statements of one state machine
 (create, claim, lease expiry, heartbeat, finalize), which must agree on its states, its
 indexes and its locks, read side by side. Sections: the API's statements, then the worker's.
-The claim's weighting is pure Python in `db.fair_share`.
+The claim itself runs in the server (`fairq_claim`, db/sql/claim.sql); its model of deficit
+round robin is pure Python in `db.fair_share`.
 
 Callers own the session and commit; functions here never commit. Timestamps always come
 from the database clock (`now()`), never from Python.
@@ -11,7 +12,6 @@ from the database clock (`now()`), never from Python.
 
 from __future__ import annotations
 
-import collections
 import datetime as dt
 import uuid
 from collections.abc import Callable, Sequence
@@ -23,7 +23,7 @@ from psycopg.types.json import Jsonb
 from sqlalchemy import CursorResult, func, text, update
 from sqlalchemy.orm import Session
 
-from db import errors, fair_share
+from db import errors
 from db.engine import Executor, driver_connection, driver_errors
 from db.models import Task, TaskStatus
 
@@ -478,13 +478,14 @@ def retry_task(session: Session, company_id: uuid.UUID, task_id: uuid.UUID) -> T
 # Worker-side statements: claim, lease expiry, heartbeat, fenced finalization
 # ---------------------------------------------------------------------------------------------
 
-# Key of the transaction-scoped advisory lock that serializes claimers ("fairqcl" in ASCII).
+# Key of the transaction-scoped advisory lock every claim holds shared until it commits and a
+# pause takes exclusively ("fairqcl" in ASCII; db/sql/claim.sql spells the same number).
 CLAIM_LOCK_KEY = 0x66_61_69_72_71_63_6C
 
 # A company's wake-up lock: (namespace, hashtext(company_id) & (buckets - 1)). Writers that
 # make a task pending hold it shared (the triggers of migration 0003, which spell the same
 # numbers); the claimer takes it exclusively before it marks a company as out of runnable
-# work. Buckets bound the locks a statement over many companies takes.
+# work (db/sql/claim.sql). Buckets bound the locks a statement over many companies takes.
 WAKE_LOCK_NAMESPACE = 0x66_71_77_6B
 WAKE_LOCK_BUCKETS = 64
 
@@ -524,210 +525,12 @@ class ClaimedTask(NamedTuple):
         return Lease(self.id, self.lease_token)
 
 
-# Waiting companies made ready per claim at most: a mass wake-up is spread over claims.
+# Waiting companies made ready per claim at most (db/sql/claim.sql): a mass wake-up is spread
+# over claims.
 PROMOTE_LIMIT = 1000
 
-_SERIALIZE_CLAIMERS = (
-    # pg_advisory_xact_lock: claimers queue here, one at a time, until the holder commits, so
-    # two never compute the same candidates (SKIP LOCKED would leave both batches short) and
-    # the in-flight counts a claim reads cannot change under it but downwards.
-    # Taken in its own statement so the claim's snapshots come after the previous claimer's
-    # commit. set_config(..., true) is SET LOCAL, for this transaction only: JIT compiles
-    # for longer than the claim runs; and the plan must not depend on statistics (a burst of
-    # inserts that ANALYZE has not seen yet made a planner hash-join the whole backlog), so
-    # every statement of the claim is pinned to nested loops over index scans.
-    """
-    SELECT pg_advisory_xact_lock(%(key)s),
-           set_config('jit', 'off', true),
-           set_config('enable_seqscan', 'off', true),
-           set_config('enable_bitmapscan', 'off', true),
-           set_config('enable_hashjoin', 'off', true),
-           set_config('enable_mergejoin', 'off', true),
-           set_config('enable_sort', 'off', true),
-           set_config('enable_incremental_sort', 'off', true),
-           set_config('plan_cache_mode', 'force_generic_plan', true)
-    """
-)
-
-_CONTENDERS = """
-WITH cursor AS MATERIALIZED (
-    -- Where the last batch stopped; with credit left, that company's turn goes on.
-    SELECT k.ring_position + CASE WHEN k.credit > 0 THEN 0 ELSE 1 END AS start,
-           k.ring_position, k.credit
-    FROM claim_cursor k
-),
-promoted AS (
-    -- Companies whose earliest task has come due (scheduled, backed off, or just created)
-    -- join the ring at its end. SKIP LOCKED: a row a writer is lowering right now is
-    -- promoted by the next claim, after that writer's commit.
-    UPDATE company_queues q
-    SET ready = true, ring_position = nextval('company_ring_positions')
-    FROM (
-        SELECT w.company_id
-        FROM company_queues w
-        -- Paused companies stay out of the ring (ix_company_queues_waiting_unpaused_due_at).
-        WHERE NOT w.ready AND NOT w.paused AND w.due_at IS NOT NULL
-          AND w.due_at <= statement_timestamp()
-        ORDER BY w.due_at
-        LIMIT %(promote_limit)s
-        FOR UPDATE SKIP LOCKED
-    ) due
-    WHERE q.company_id = due.company_id
-    RETURNING q.company_id, q.ring_position, q.weight, q.max_in_flight
-),
-ring AS (
-    -- The ring from the cursor: the rest of this lap, the companies just promoted (this
-    -- statement's snapshot does not see its own UPDATE), then the lap's start. Each part
-    -- is an index range in order, and the Append reads them one after the other only as
-    -- far as the LIMIT needs (a sort on lap would read the whole ring; `_contenders` puts
-    -- the rows in (lap, ring_position) order itself).
-    -- NOT paused: pause_company takes a company out of the ring, but a claimer of an older
-    -- release may promote it, and a pause by plain UPDATE may be undone by a settle; its
-    -- tasks are still never claimed (one more filter on rows read anyway).
-    (SELECT r.company_id, r.ring_position, 1 AS lap, r.weight, r.max_in_flight
-     FROM company_queues r
-     WHERE r.ready AND NOT r.paused AND r.ring_position >= (SELECT start FROM cursor)
-     ORDER BY r.ring_position)
-    UNION ALL
-    (SELECT p.company_id, p.ring_position, 2 AS lap, p.weight, p.max_in_flight
-     FROM promoted p
-     ORDER BY p.ring_position)
-    UNION ALL
-    (SELECT r.company_id, r.ring_position, 3 AS lap, r.weight, r.max_in_flight
-     FROM company_queues r
-     WHERE r.ready AND NOT r.paused AND r.ring_position < (SELECT start FROM cursor)
-     ORDER BY r.ring_position)
-)
-SELECT s.company_id, s.ring_position, s.lap, s.weight, h.headroom,
-       (SELECT cursor.ring_position FROM cursor) AS cursor_position,
-       (SELECT cursor.credit FROM cursor) AS cursor_credit
-FROM ring s
-CROSS JOIN LATERAL (
-    -- How many more leases it may hold. Counted only for a company with a limit, and at
-    -- most max_in_flight index entries.
-    SELECT CASE WHEN s.max_in_flight IS NULL THEN NULL
-                ELSE s.max_in_flight - (
-                    SELECT count(*) FROM (
-                        SELECT 1 FROM tasks t
-                        WHERE t.company_id = s.company_id AND t.status = 'processing'
-                        -- The order of the company's own index (company_id, locked_at, id),
-                        -- which no other index gives without a sort: no plan reads other
-                        -- companies' leases, whatever the statistics say.
-                        ORDER BY t.locked_at, t.id
-                        LIMIT s.max_in_flight
-                    ) held)
-           END AS headroom
-    -- OFFSET 0 keeps this a subquery of its own: evaluated once per company, not once for
-    -- the filter and again for the output.
-    OFFSET 0
-) h
--- A company at its limit is passed over, not dropped: it stays in the ring.
-WHERE (h.headroom IS NULL OR h.headroom > 0)
-  AND NOT (s.company_id = ANY(CAST(%(exclude)s AS uuid[])))
-LIMIT %(batch_size)s
-"""
-
-_CLAIM = """
-WITH share AS (
-    -- What fair_share.allocate gave each company: its tasks, its first turn's place in
-    -- the batch and size (the rest of an interrupted turn, or its weight), its weight.
-    SELECT * FROM unnest(CAST(%(company_ids)b AS uuid[]), CAST(%(shares)b AS int[]),
-                         CAST(%(turns)b AS int[]), CAST(%(first_turns)b AS int[]),
-                         CAST(%(weights)b AS int[]))
-           AS s(company_id, n, turn, first_turn, weight)
-),
-locked AS (
-    -- Each company's longest-waiting runnable tasks, locked: a range scan of
-    -- ix_tasks_pending_company_run_after (company_id, run_after, id) WHERE status =
-    -- 'pending' that stops after its share; rows scheduled or backed off into the future
-    -- are never read. id breaks ties (a bulk insert shares one now()). Due means by
-    -- statement_timestamp(), not now() (the transaction start, before the wait for the
-    -- claimers' lock): a task that came due during that wait is due.
-    -- SKIP LOCKED: a row another transaction holds (the API cancelling it) is passed over
-    -- and the scan goes on to the next. The quals are checked again on the row being locked:
-    -- if another transaction changed it after our snapshot, READ COMMITTED re-evaluates
-    -- them on the newest version (EvalPlanQual) and drops it instead of claiming it.
-    SELECT k.id, k.run_after, s.company_id, s.turn, s.first_turn, s.weight
-    FROM share s
-    CROSS JOIN LATERAL (
-        SELECT t.id, t.run_after
-        FROM tasks t
-        WHERE t.company_id = s.company_id
-          AND t.status = 'pending'
-          AND t.run_after <= statement_timestamp()
-        ORDER BY t.run_after, t.id
-        LIMIT s.n
-        FOR UPDATE OF t SKIP LOCKED
-    ) k
-),
-claimed AS (
-    UPDATE tasks t
-    SET status = 'processing',
-        attempts = t.attempts + 1,            -- crashes count too (poison pills)
-        lease_token = gen_random_uuid(),      -- the fencing token of this attempt
-        locked_by = %(worker_id)s,
-        -- statement_timestamp(), not now() (the transaction start, before the wait for the
-        -- claimers' advisory lock): a lease must not start shortened by that wait.
-        locked_at = statement_timestamp(),    -- lease start; refreshed by heartbeat
-        started_at = coalesce(t.started_at, statement_timestamp()),
-        updated_at = statement_timestamp()
-    FROM locked l
-    WHERE t.id = l.id
-    RETURNING t.id, t.company_id, t.type, t.payload, t.attempts, t.max_attempts,
-              t.lease_token, t.created_at, t.timeout_seconds,
-              l.turn, l.first_turn, l.weight, l.run_after
-),
-moved AS (
-    UPDATE claim_cursor SET ring_position = %(cursor_position)s, credit = %(cursor_credit)s
-)
--- UPDATE ... RETURNING has no order; hand the batch out in the order round robin serves it:
--- by round (its first turn, then a company's weight of tasks per round), then turn.
--- The columns of a `ClaimedTask`, in its order.
-SELECT id, company_id, type, payload, attempts, max_attempts, lease_token, created_at,
-       timeout_seconds
-FROM (
-    SELECT c.*, row_number() OVER (PARTITION BY company_id ORDER BY run_after, id) AS rank
-    FROM claimed c
-) r
-ORDER BY CASE WHEN rank <= first_turn THEN 0 ELSE 1 + (rank - first_turn - 1) / weight END,
-         turn, run_after, id
-"""
-
-_TRY_WAKE_LOCKS = """
-WITH free AS MATERIALIZED (
-    -- Each bucket once, even when several short companies share it.
-    SELECT b.bucket
-    FROM (SELECT DISTINCT hashtext(c.company_id::text) & (CAST(%(buckets)s AS int) - 1) AS bucket
-          FROM unnest(CAST(%(company_ids)b AS uuid[])) AS c(company_id)) b
-    WHERE pg_try_advisory_xact_lock(%(namespace)s, b.bucket)
-)
-SELECT u.company_id
-FROM unnest(CAST(%(company_ids)b AS uuid[])) AS u(company_id)
-JOIN free ON free.bucket = hashtext(u.company_id::text) & (CAST(%(buckets)s AS int) - 1)
-"""
-
-_SETTLE = (
-    # A new statement, so a new snapshot taken after the wake-up locks: it sees every task
-    # committed by a writer that held the lock before us, and no writer holds it now.
-    """
-UPDATE company_queues q
-SET due_at = d.due_at,
-    -- A company paused by plain SQL while this claim ran stays out of the ring.
-    ready = coalesce(d.due_at <= statement_timestamp(), false) AND NOT q.paused
-FROM unnest(CAST(%(company_ids)b AS uuid[])) AS u(company_id)
-LEFT JOIN LATERAL (
-    -- The earliest pending run_after, read from the head of the company's pending range:
-    -- ordered as ix_tasks_pending_company_run_after is, which no other index is without a
-    -- sort, so no plan walks the company's other rows.
-    SELECT t.run_after AS due_at
-    FROM tasks t
-    WHERE t.company_id = u.company_id AND t.status = 'pending'
-    ORDER BY t.run_after, t.id
-    LIMIT 1
-) d ON true
-WHERE q.company_id = u.company_id
-"""
-)
+# The whole claim, in the server (migration 0011, db/sql/claim.sql).
+_CLAIM = "SELECT * FROM fairq_claim(%(worker_id)s, %(batch_size)s)"
 
 
 def claim(
@@ -739,148 +542,32 @@ def claim(
 ) -> list[ClaimedTask]:
     """Claim up to `batch_size` runnable tasks, weighted-fair across companies; in claim order.
 
-    Runnable: `pending` with `run_after` at or before the statement's start (leases that
-    expired are made pending by `expire_leases` first). Each claimed row moves to
-    `processing` with a new `lease_token` and counts an attempt. Run it under READ COMMITTED
-    (the default) and commit right after: the advisory lock taken here serializes every
-    claimer until then.
+    Runnable: `pending` with `run_after` at or before the claim's statement time, of a
+    company not paused (leases that expired are made pending by `expire_leases` first). Each
+    claimed row moves to `processing` with a new `lease_token` and counts an attempt. Run it
+    under READ COMMITTED (the default) and commit right after: until then a pause of one of
+    the batch's companies waits, and so do later claims of a company with a `max_in_flight`.
 
-    Work-conserving: fewer than `batch_size` only when no more runnable task is allowed (a
-    company at its `max_in_flight` holds back the rest of its work). Which tasks: companies
-    take turns in ring order, each up to its `weight` tasks a turn (`fair_share.allocate`,
-    deficit round robin), and within a company its longest-waiting tasks, by `run_after`
-    ("eligible since"). A company that had less runnable work than its share gives its slots
-    to the others in a further round, and is settled: its `company_queues` row is brought up
-    to date under its wake-up lock.
+    One statement, `fairq_claim` (db/sql/claim.sql): companies take turns in ring order from
+    the cluster's one cursor, each up to its `weight` tasks a turn (deficit round robin, the
+    model in `fair_share.allocate`), and within a company its longest-waiting tasks, by
+    `run_after` ("eligible since"). Claimers take their stretches of turns one at a time but
+    claim them in parallel (decision 0007). Work-conserving: fewer than `batch_size` only when
+    no more runnable task is allowed (a company at its `max_in_flight` holds back the rest of
+    its work), or is held by a claim still in flight. The cost depends on the batch size, not
+    on how many companies exist or have work (docs/design.md, "The claim").
 
-    The cost depends on the batch size, not on how many companies exist or have work: at most
-    `batch_size` companies are read from the ring's index, and each company's tasks from an
-    index range that stops after its share (docs/design.md, "The claim").
-
-    `commit`, if given, ends the transaction (`session.commit`) right after the last
-    statement, before the rows are decoded: the claimers' lock is not held while Python
-    turns a batch into `ClaimedTask`s (decision 0002). Without it the caller commits.
+    `commit`, if given, ends the transaction (`session.commit`) right after the statement,
+    before the rows are decoded. Without it the caller commits. Raises `DBAPIError`.
     """
     with driver_errors("claim"):
-        return _claim(driver_connection(session), worker_id, batch_size, commit)
-
-
-def _claim(
-    connection: psycopg.Connection[Any],
-    worker_id: str,
-    batch_size: int,
-    commit: Callable[[], None] | None,
-) -> list[ClaimedTask]:
-    # Each round's rows, decoded at once only when the round ran short (its companies'
-    # counts are needed), else left in their cursor until after `commit`.
-    rounds: list[list[ClaimedTask] | psycopg.Cursor[Any]] = []
-    claimed = 0
-    exhausted: list[uuid.UUID] = []
-    # Each round either fills the batch or finds companies with less runnable work than
-    # their share, which leave the ring below: the rounds end.
-    while claimed < batch_size:
-        wanted = batch_size - claimed
-        contenders, credit = _contenders(
-            connection, wanted, exclude=exhausted, serialize=not exhausted
+        cursor = driver_connection(session).execute(
+            _CLAIM, {"worker_id": worker_id, "batch_size": batch_size}
         )
-        if not contenders:
-            break
-        allocation = fair_share.allocate(contenders, wanted, credit)
-        cursor = connection.execute(_CLAIM, claim_parameters(worker_id, allocation))
-        claimed += cursor.rowcount
-        if cursor.rowcount == sum(allocation.tasks):
-            rounds.append(cursor)
-            break
-        # Fewer than allocated: some companies had less runnable work than their share.
-        short = [ClaimedTask._make(row) for row in cursor.fetchall()]
-        rounds.append(short)
-        got = collections.Counter(task.company_id for task in short)
-        exhausted.extend(
-            contenders[i].company_id
-            for i in allocation.served()
-            if got[contenders[i].company_id] < allocation.tasks[i]
-        )
-    if exhausted:
-        _settle(connection, exhausted)
-    if commit is not None:
-        commit()
-    # A cursor keeps its result after the commit: decoding needs no server.
-    return [
-        task
-        for done in rounds
-        for task in (done if isinstance(done, list) else map(ClaimedTask._make, done.fetchall()))
-    ]
-
-
-def claim_parameters(worker_id: str, allocation: fair_share.Allocation) -> dict[str, Any]:
-    """The parameters of the claim statement `_CLAIM` for this allocation."""
-    served = allocation.served()
-    contenders = allocation.contenders
-    return {
-        "worker_id": worker_id,
-        "company_ids": [contenders[i].company_id for i in served],
-        "shares": [allocation.tasks[i] for i in served],
-        "turns": [allocation.turns[i] for i in served],
-        "first_turns": [allocation.first_turns[i] for i in served],
-        "weights": [contenders[i].weight for i in served],
-        "cursor_position": allocation.cursor.ring_position,
-        "cursor_credit": allocation.cursor.credit,
-    }
-
-
-def _contenders(
-    connection: psycopg.Connection[Any],
-    wanted: int,
-    *,
-    exclude: Sequence[uuid.UUID],
-    serialize: bool = False,
-) -> tuple[list[fair_share.Contender], int]:
-    """Ready companies in ring order from the cursor, and the first one's unused credit.
-
-    With `serialize` (a claim's first round), take the claimers' lock first: both statements
-    go in one pipeline, one round trip; the server runs the second only once the first has
-    its lock, so its snapshot comes after the previous claimer's commit.
-    """
-    parameters = {"batch_size": wanted, "promote_limit": PROMOTE_LIMIT, "exclude": list(exclude)}
-    if serialize:
-        with connection.pipeline():
-            connection.execute(_SERIALIZE_CLAIMERS, {"key": CLAIM_LOCK_KEY})
-            cursor = connection.execute(_CONTENDERS, parameters)
-    else:
-        cursor = connection.execute(_CONTENDERS, parameters)
-    rows = cursor.fetchall()
-    # (lap, ring_position): the order the statement's Append reads them in, made certain.
-    rows.sort(key=lambda row: (row[2], row[1]))
-    contenders = [
-        fair_share.Contender(company_id, ring_position, weight, headroom)
-        for company_id, ring_position, _, weight, headroom, _, _ in rows
-    ]
-    # The interrupted turn goes on only if its company is still the first in line.
-    credit = 0
-    if rows and rows[0][1] == rows[0][5]:
-        credit = rows[0][6]
-    return contenders, credit
-
-
-def _settle(connection: psycopg.Connection[Any], company_ids: Sequence[uuid.UUID]) -> None:
-    """Bring `company_queues` of companies that ran short up to date, where safe.
-
-    A company whose wake-up lock a writer holds (a task becoming pending in a transaction
-    still open) is left ready: the next claim looks at it again.
-    """
-    locked = [
-        row[0]
-        for row in connection.execute(
-            _TRY_WAKE_LOCKS,
-            {
-                "company_ids": list(company_ids),
-                "namespace": WAKE_LOCK_NAMESPACE,
-                "buckets": WAKE_LOCK_BUCKETS,
-            },
-        )
-    ]
-    if locked:
-        connection.execute(_SETTLE, {"company_ids": locked})
+        if commit is not None:
+            commit()
+        # A cursor keeps its result after the commit: decoding needs no server.
+        return [ClaimedTask._make(row) for row in cursor.fetchall()]
 
 
 @dataclass(frozen=True)
