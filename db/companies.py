@@ -121,7 +121,7 @@ _TAKE_WAKE_LOCK_SHARED = text(
     "SELECT pg_advisory_xact_lock_shared(CAST(:namespace AS int), "
     "hashtext(CAST(CAST(:company_id AS uuid) AS text)) & (CAST(:buckets AS int) - 1))"
 )
-# The claimers' lock: granted once the claim in flight (and any queued before us) commits.
+# The claims' lock, exclusively: granted once every claim in flight has committed.
 _WAIT_FOR_CLAIMERS = text("SELECT pg_advisory_xact_lock(CAST(:key AS bigint))")
 
 
@@ -133,10 +133,10 @@ def pause_company(session: Session, company_id: uuid.UUID) -> Company:
     of the cluster waits. Raises `errors.NotFound`, and `RuntimeError` on a session in
     autocommit (the statements below must commit together).
 
-    Once the caller's commit returns, no claim takes the company's tasks. A claim reads the
-    ring in one statement and claims in the next, both under the claimers' advisory lock
-    (`queue.CLAIM_LOCK_KEY`), so the pause takes that lock before it commits: a claim in
-    flight has then committed first, and every later one reads the ring after the pause.
+    Once the caller's commit returns, no claim takes the company's tasks. Every claim holds
+    the claims' advisory lock (`queue.CLAIM_LOCK_KEY`) shared until it commits
+    (db/sql/claim.sql), so the pause takes it exclusively before it commits: a claim in
+    flight has then committed first, and every later claim reads the ring after the pause.
     Three statements, in this order:
 
     1. the company's wake-up lock in shared mode, as a writer takes it (migration 0003): a
@@ -144,7 +144,7 @@ def pause_company(session: Session, company_id: uuid.UUID) -> Company:
        try-lock fails) rather than wait for the pause's row lock while the pause waits for
        it (a deadlock), or settle the paused company back into the ring;
     2. the UPDATE, whose trigger takes the company out of the ring;
-    3. the claimers' lock, last: claims never queue behind a pause that is itself waiting
+    3. the claims' lock, last: claims never queue behind a pause that is itself waiting
        for a row lock (a transaction still open that wrote the company's rows).
     """
     _require_transaction(session, "pause_company")

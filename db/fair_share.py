@@ -1,8 +1,9 @@
 """How many tasks each company gets in a claim: deficit round robin over a batch.
 
-Pure: no database. `db.queue.claim` reads the ready companies in ring order from the claim
-cursor, asks `allocate` for each one's share of the batch, claims that many of each
-company's longest-waiting runnable tasks, and stores where the turn stopped.
+Pure: no database. The reference model of the claim's allocation: the claim itself shares
+its batch inside PostgreSQL (`fairq_allocate` in db/sql/claim.sql, step for step this
+module's `_rounds`), and a property test drives random rings, weights, limits and credits
+through both and compares (tests/test_claim_function.py). Change one, change the other.
 
 The rule (deficit round robin, Shreedhar and Varghese, SIGCOMM 1995, with unit-cost tasks):
 companies take turns in ring order; a turn gives a company up to its `weight` tasks (its

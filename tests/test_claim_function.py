@@ -1,0 +1,380 @@
+"""The claim in the server (`fairq_claim`, `fairq_allocate`; db/sql/claim.sql), many at once.
+
+The allocation is checked against its reference model, `db.fair_share.allocate`, on random
+rings. The guarantees are checked with 8 or 16 claimers in threads, each on a connection of
+its own to a fresh database, claiming through `db.queue.claim` as workers do: no task twice,
+no batch short while allowed work exists, `max_in_flight` never exceeded, a committed pause
+obeyed, and the fairness bound of decision 0007.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
+
+from db import companies, fair_share, queue
+from db.fair_share import Contender
+from tests.factories import insert_company, insert_tasks
+
+SQL_FILE = Path(__file__).resolve().parent.parent / "db" / "sql" / "claim.sql"
+
+PROPERTIES = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=400,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+# -- the allocation against its model ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sql(main_db_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    """A psycopg connection to the migrated database, in autocommit (reads only)."""
+    url = main_db_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(url, autocommit=True) as connection:
+        yield connection
+
+
+@st.composite
+def rings(draw: st.DrawFn) -> tuple[list[Contender], int, int]:
+    """Contenders in ring order, the slots to share, and the first one's credit."""
+    n = draw(st.integers(0, 12))
+    positions = sorted(draw(st.sets(st.integers(1, 10_000), min_size=n, max_size=n)))
+    contenders = [
+        Contender(
+            uuid.UUID(int=i + 1),
+            position,
+            draw(st.integers(1, 20)),
+            draw(st.one_of(st.none(), st.integers(0, 12))),
+        )
+        for i, position in enumerate(positions)
+    ]
+    slots = draw(st.integers(1, 200))
+    credit = draw(st.integers(0, contenders[0].weight - 1)) if contenders else 0
+    return contenders, slots, credit
+
+
+@PROPERTIES
+@given(case=rings())
+def test_the_servers_allocation_is_the_reference_models(
+    sql: psycopg.Connection[tuple[object, ...]], case: tuple[list[Contender], int, int]
+) -> None:
+    contenders, slots, credit = case
+    model = fair_share.allocate(contenders, slots, credit)
+    row = sql.execute(
+        "SELECT * FROM fairq_allocate(%s::bigint[], %s::int[], %s::int[], %s, %s)",
+        (
+            [c.ring_position for c in contenders],
+            [c.weight for c in contenders],
+            [c.headroom for c in contenders],
+            slots,
+            credit,
+        ),
+    ).fetchone()
+    assert row is not None
+    tasks, turns, first_turns, cursor_position, cursor_credit = row
+    assert tasks == model.tasks
+    assert turns == model.turns
+    assert first_turns == model.first_turns
+    if contenders:
+        assert (cursor_position, cursor_credit) == (
+            model.cursor.ring_position,
+            model.cursor.credit,
+        )
+
+
+def test_the_functions_in_the_database_are_the_text_of_db_sql(
+    sql: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    """`upgrade head` leaves the bodies and settings db/sql/claim.sql spells, to the letter."""
+    written = dict(
+        re.findall(r"CREATE FUNCTION (\w+)\(.*?AS \$\$\n(.*?)\$\$;", SQL_FILE.read_text(), re.S)
+    )
+    assert set(written) == {"fairq_allocate", "fairq_claim"}
+    for name, body in written.items():
+        row = sql.execute("SELECT prosrc FROM pg_proc WHERE proname = %s", (name,)).fetchone()
+        assert row is not None
+        assert str(row[0]).strip() == body.strip(), name
+
+
+# -- many claimers at once -----------------------------------------------------------------
+
+
+class Claimers:
+    """`count` threads, each claiming through `queue.claim` on a session of its own."""
+
+    def __init__(self, engine: Engine, count: int) -> None:
+        self.engine = engine
+        self.count = count
+        self.errors: list[BaseException] = []
+
+    def run(self, body: Callable[[int, Session], object]) -> None:
+        """Run `body(index, session)` in every thread at once; re-raise the first error."""
+        start = threading.Barrier(self.count)
+
+        def thread(index: int) -> None:
+            try:
+                with Session(self.engine) as session:
+                    start.wait(timeout=30)
+                    body(index, session)
+            except BaseException as exc:  # re-raised in the test's thread
+                self.errors.append(exc)
+
+        threads = [threading.Thread(target=thread, args=(i,)) for i in range(self.count)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not any(t.is_alive() for t in threads), "a claimer hung"
+        if self.errors:
+            raise self.errors[0]
+
+
+def claim(session: Session, batch_size: int, worker: str = "t") -> list[queue.ClaimedTask]:
+    """One committed claim, as a worker makes it."""
+    return queue.claim(session, worker_id=worker, batch_size=batch_size, commit=session.commit)
+
+
+def promote_all(engine: Engine) -> None:
+    """Bring every company with due work into the ring, as the first claim would.
+
+    The claim promotes in its own transaction; until it commits, other claimers do not see
+    those companies (decision 0007, "Work conservation"). Tests of steady state start after.
+    """
+    with Session(engine) as session:
+        session.execute(
+            text(
+                "UPDATE company_queues SET ready = true, "
+                "ring_position = nextval('company_ring_positions') "
+                "WHERE NOT ready AND due_at <= now() AND NOT paused"
+            )
+        )
+        session.commit()
+
+
+def processing_by_company(engine: Engine) -> Counter[uuid.UUID]:
+    """Tasks claimed so far (processing or finished), per company, in one snapshot."""
+    with engine.connect() as connection:
+        rows = connection.execute(
+            text("SELECT company_id, count(*) FROM tasks WHERE attempts > 0 GROUP BY company_id")
+        ).all()
+    return Counter(dict(rows))
+
+
+def test_sixteen_claimers_never_claim_a_task_twice_nor_come_back_short(
+    fresh_engine: Engine,
+) -> None:
+    """Exactly as many runnable tasks as 16 x 12 claims of 10 want: every batch is full.
+
+    Companies of very different backlogs run out at different times, so claims meet short
+    companies, further rounds and settles while others claim beside them.
+    """
+    claimers, claims, batch = 16, 12, 10
+    total = claimers * claims * batch
+    rng = random.Random(7)
+    sizes = [rng.randint(1, 40) for _ in range(30)]
+    sizes[-1] += total - sum(sizes)
+    assert sizes[-1] > 0
+    for i, size in enumerate(sizes):
+        insert_tasks(fresh_engine, insert_company(fresh_engine, name=f"c{i}").id, size)
+    promote_all(fresh_engine)
+    batches: list[list[uuid.UUID]] = []
+    lock = threading.Lock()
+
+    def body(index: int, session: Session) -> None:
+        for _ in range(claims):
+            got = [task.id for task in claim(session, batch, f"w{index}")]
+            with lock:
+                batches.append(got)
+
+    Claimers(fresh_engine, claimers).run(body)
+    assert [len(b) for b in batches] == [batch] * (claimers * claims)
+    ids = [task_id for b in batches for task_id in b]
+    assert len(set(ids)) == len(ids) == total
+    with fresh_engine.connect() as connection:
+        states = connection.execute(
+            text("SELECT status, attempts, count(*) FROM tasks GROUP BY 1, 2")
+        ).all()
+    assert states == [("processing", 1, total)]
+
+
+def test_sixteen_claimers_keep_equal_weights_within_the_bound_of_decision_0007(
+    fresh_engine: Engine,
+) -> None:
+    """Equal weights, all backlogged: at rest no company is two tasks ahead of another;
+    while claims are in flight, at most one batch per concurrent claimer apart.
+
+    A sampler reads the committed counts throughout. The bound: the reservations are one
+    deficit round robin sequence (a prefix of it is within 1), and what is missing from a
+    snapshot is at most the claims in flight, each giving a company ceil(batch / companies).
+    """
+    claimers, claims, batch, n = 16, 15, 10, 50
+    for i in range(n):
+        insert_tasks(fresh_engine, insert_company(fresh_engine, name=f"c{i}").id, 80)
+    promote_all(fresh_engine)
+    bound = 1 + claimers * math.ceil(batch / n)
+    spreads: list[int] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            counts = processing_by_company(fresh_engine)
+            values = [counts.get(c, 0) for c in companies_ids]
+            spreads.append(max(values) - min(values))
+
+    with fresh_engine.connect() as connection:
+        companies_ids = [row[0] for row in connection.execute(text("SELECT id FROM companies"))]
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        Claimers(fresh_engine, claimers).run(
+            lambda index, session: [claim(session, batch, f"w{index}") for _ in range(claims)]
+        )
+    finally:
+        done.set()
+        sampler.join()
+    final = processing_by_company(fresh_engine)
+    assert sum(final.values()) == claimers * claims * batch
+    assert max(final.values()) - min(final.values()) <= 1, final
+    assert spreads
+    assert max(spreads) <= bound, (max(spreads), bound)
+
+
+def test_eight_claimers_give_weighted_shares_within_five_percent_over_20000_tasks(
+    fresh_engine: Engine,
+) -> None:
+    """Weights 1..8, 8 claimers, 20,000 tasks: each share within 5% of weight / sum of weights,
+    and Jain's index of the weight-normalized shares at least 0.99."""
+    claimers, claims, batch = 8, 50, 50
+    total = claimers * claims * batch
+    weights = list(range(1, 9))
+    ids = []
+    for weight in weights:
+        company = insert_company(fresh_engine, name=f"w{weight}")
+        with Session(fresh_engine) as session:
+            companies.update_company_limits(session, company.id, weight=weight)
+            session.commit()
+        # More than its share: nobody runs out, so the shares are the weights'.
+        insert_tasks(fresh_engine, company.id, total * weight // sum(weights) + 2 * batch)
+        ids.append(company.id)
+    promote_all(fresh_engine)
+    Claimers(fresh_engine, claimers).run(
+        lambda index, session: [claim(session, batch, f"w{index}") for _ in range(claims)]
+    )
+    counts = processing_by_company(fresh_engine)
+    assert sum(counts.values()) == total
+    normalized = []
+    for company_id, weight in zip(ids, weights, strict=True):
+        ideal = total * weight / sum(weights)
+        assert abs(counts[company_id] - ideal) <= 0.05 * ideal, (weight, counts[company_id], ideal)
+        normalized.append(counts[company_id] / weight)
+    jain = sum(normalized) ** 2 / (len(normalized) * sum(x * x for x in normalized))
+    print(f"Jain's index of the weight-normalized shares: {jain:.5f}")
+    assert jain >= 0.99
+
+
+def test_sixteen_claimers_never_exceed_max_in_flight(fresh_engine: Engine) -> None:
+    """A company limited to 3 leases among busy ones; claimers complete what they claimed a
+    moment later, so its count goes up and down. Sampled throughout, it never passes 3."""
+    claimers, rounds, batch, limit = 16, 20, 4, 3
+    limited = insert_company(fresh_engine, name="limited")
+    with Session(fresh_engine) as session:
+        companies.update_company_limits(session, limited.id, max_in_flight=limit)
+        session.commit()
+    insert_tasks(fresh_engine, limited.id, 400)
+    for i in range(5):
+        insert_tasks(fresh_engine, insert_company(fresh_engine, name=f"c{i}").id, 400)
+    promote_all(fresh_engine)
+    samples: list[int] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        with fresh_engine.connect() as connection:
+            while not done.is_set():
+                samples.append(
+                    connection.execute(
+                        text(
+                            "SELECT count(*) FROM tasks "
+                            "WHERE company_id = :c AND status = 'processing'"
+                        ),
+                        {"c": limited.id},
+                    ).scalar_one()
+                )
+                connection.commit()
+
+    def body(index: int, session: Session) -> None:
+        rng = random.Random(index)
+        for _ in range(rounds):
+            tasks = claim(session, batch, f"w{index}")
+            threading.Event().wait(rng.uniform(0, 0.01))
+            queue.complete_tasks(session, [task.lease for task in tasks])
+            session.commit()
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        Claimers(fresh_engine, claimers).run(body)
+    finally:
+        done.set()
+        sampler.join()
+    assert samples
+    assert max(samples) <= limit, max(samples)
+    with fresh_engine.connect() as connection:
+        served = connection.execute(
+            text("SELECT count(*) FROM tasks WHERE company_id = :c AND attempts > 0"),
+            {"c": limited.id},
+        ).scalar_one()
+    assert served > limit  # it was served, again and again, not starved by its limit
+
+
+def test_once_a_pause_commits_sixteen_claimers_take_none_of_its_tasks(
+    fresh_engine: Engine,
+) -> None:
+    claimers, claims, batch = 16, 12, 5
+    paused = insert_company(fresh_engine, name="paused")
+    insert_tasks(fresh_engine, paused.id, 600)
+    for i in range(9):
+        insert_tasks(fresh_engine, insert_company(fresh_engine, name=f"c{i}").id, 600)
+    promote_all(fresh_engine)
+    at_pause: list[int] = []
+    started = threading.Barrier(2)
+
+    def pause_midway() -> None:
+        started.wait(timeout=30)
+        threading.Event().wait(0.05)
+        with Session(fresh_engine) as session:
+            companies.pause_company(session, paused.id)
+            session.commit()
+        at_pause.append(processing_by_company(fresh_engine)[paused.id])
+
+    pauser = threading.Thread(target=pause_midway)
+    pauser.start()
+
+    def body(index: int, session: Session) -> None:
+        if index == 0:
+            started.wait(timeout=30)
+        for _ in range(claims):
+            claim(session, batch, f"w{index}")
+
+    Claimers(fresh_engine, claimers).run(body)
+    pauser.join()
+    assert at_pause, "the pause did not run"
+    after = processing_by_company(fresh_engine)
+    assert after[paused.id] == at_pause[0]
+    assert sum(after.values()) > after[paused.id]  # the others went on being claimed
