@@ -130,6 +130,7 @@ def test_worker_settings_defaults() -> None:
     assert settings.database_url == URL
     assert settings.concurrency == 2
     assert settings.batch_size == 100
+    assert settings.threads == 1
     assert settings.poll_interval == 1.0
     assert settings.stale_after == 300.0
     assert settings.effective_heartbeat_interval == 60.0
@@ -145,6 +146,7 @@ def test_worker_settings_read_every_variable() -> None:
             "DATABASE_URL": URL,
             "WORKER_CONCURRENCY": "4",
             "WORKER_BATCH_SIZE": "50",
+            "WORKER_THREADS": "8",
             "WORKER_POLL_INTERVAL": "0.25",
             "STALE_AFTER_SECONDS": "100",
             "SHUTDOWN_TIMEOUT_SECONDS": "5",
@@ -156,7 +158,7 @@ def test_worker_settings_read_every_variable() -> None:
         }
     )
 
-    assert (settings.concurrency, settings.batch_size) == (4, 50)
+    assert (settings.concurrency, settings.batch_size, settings.threads) == (4, 50, 8)
     assert (settings.poll_interval, settings.stale_after) == (0.25, 100.0)
     assert settings.effective_heartbeat_interval == 20.0
     assert (settings.shutdown_timeout, settings.metrics_port) == (5.0, 9200)
@@ -212,7 +214,11 @@ def test_the_api_and_a_pass_default_to_the_worker_values_of_the_variables_they_s
     assert WorkerSettings(database_url=URL) == worker
     # What a pass reads of WorkerSettings, PassSettings() holds by default.
     assert PassSettings() == PassSettings(
-        worker.batch_size, worker.stale_after, worker.heartbeat_interval, worker.handler_config
+        worker.batch_size,
+        worker.stale_after,
+        worker.heartbeat_interval,
+        worker.handler_config,
+        worker.threads,
     )
 
 
@@ -234,11 +240,11 @@ def readme_defaults() -> dict[str, str]:
 @pytest.mark.parametrize(
     "name",
     [
-        "WORKER_CONCURRENCY", "WORKER_BATCH_SIZE", "WORKER_POLL_INTERVAL", "STALE_AFTER_SECONDS",
-        "SHUTDOWN_TIMEOUT_SECONDS", "WORKER_BOOT_TIMEOUT_SECONDS", "WORKER_METRICS_PORT",
-        "WORKER_METRICS_HOST", "SMTP_URL", "SMTP_FROM", "WEBHOOK_ALLOW_PRIVATE",
-        "WEBHOOK_TIMEOUT_SECONDS", "TASK_RETENTION_DAYS", "NOTIFY_CHANNEL", "LOG_LEVEL",
-        "LOG_FORMAT",
+        "WORKER_CONCURRENCY", "WORKER_BATCH_SIZE", "WORKER_THREADS", "WORKER_POLL_INTERVAL",
+        "STALE_AFTER_SECONDS", "SHUTDOWN_TIMEOUT_SECONDS", "WORKER_BOOT_TIMEOUT_SECONDS",
+        "WORKER_METRICS_PORT", "WORKER_METRICS_HOST", "SMTP_URL", "SMTP_FROM",
+        "WEBHOOK_ALLOW_PRIVATE", "WEBHOOK_TIMEOUT_SECONDS", "TASK_RETENTION_DAYS",
+        "NOTIFY_CHANNEL", "LOG_LEVEL", "LOG_FORMAT",
     ],
 )  # fmt: skip
 def test_the_readme_states_each_default_the_settings_have(name: str) -> None:

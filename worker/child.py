@@ -165,6 +165,7 @@ class Child:
         self._unwritten: processing.UnwrittenOutcomes | None = None
         self._sweep_schedule: processing.SweepSchedule | None = None
         self._keeper: processing.LeaseKeeper | None = None
+        self._runners: processing.Runners | None = None
         self._orphan_check_at = 0.0  # time.monotonic() of the next look at the parent pid
         self._listener = wakeups.Listener(settings.listen_url, settings.notify_channel)
         self._listen_backoff = backoff.Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
@@ -223,6 +224,11 @@ class Child:
                 self.settings.stale_after
             )
             self._keeper = processing.LeaseKeeper()
+            # WORKER_THREADS - 1 threads beside this one: a batch runs that many handlers at
+            # once (no more than it has tasks).
+            runners = min(self.settings.threads, self.settings.batch_size) - 1
+            if runners > 0:
+                self._runners = processing.Runners(runners)
             # Handlers run on this thread: a timeout may interrupt their blocking calls too.
             processing.install_nudge()
         except Exception as exc:
@@ -311,6 +317,8 @@ class Child:
     def _close(self) -> None:
         if self._keeper is not None:
             self._keeper.close()
+        if self._runners is not None:
+            self._runners.close()
         self._listener.close()
         if self._engine is not None:
             self._engine.dispose()
@@ -396,6 +404,7 @@ class Child:
             sweep_schedule=self._sweep_schedule,
             keeper=self._keeper,
             on_unstoppable=self._exit_unstoppable,
+            runners=self._runners,
         )
         return result.claimed
 

@@ -59,6 +59,10 @@ FLAGS = (
         "tasks claimed per batch (1..10000)",
     ),
     _Flag(
+        "--threads", "WORKER_THREADS", WorkerSettings.threads, "N",
+        "handlers a child runs at once, its batch's tasks in claim order, a thread each (1..256)",
+    ),
+    _Flag(
         "--poll-interval", "WORKER_POLL_INTERVAL", WorkerSettings.poll_interval, "SECONDS",
         "how long an idle child waits for a NOTIFY before polling (0.01..3600)",
     ),

@@ -35,6 +35,9 @@ from worker.tasktypes.base import HandlerConfig
 
 # The most children one supervisor may be allowed (`WORKER_MAX_CONCURRENCY`).
 MAX_CHILDREN = 256
+# The most handlers one child may run at once (`WORKER_THREADS`): a thread each, all sharing
+# one interpreter lock and one database connection.
+MAX_THREADS = 256
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,9 @@ class PassSettings:
     stale_after: float = DEFAULT_STALE_AFTER_SECONDS
     heartbeat_interval: float | None = None
     handler_config: HandlerConfig = field(default_factory=HandlerConfig)
+    # How many of its batch's handlers a pass runs at once, each on a thread of its own
+    # (`WORKER_THREADS`; docs/decisions/0003, "Threads in a child").
+    threads: int = 1
 
     @property
     def effective_heartbeat_interval(self) -> float:
@@ -122,6 +128,7 @@ class WorkerSettings(PassSettings):
             concurrency=concurrency,
             max_concurrency=max_concurrency,
             batch_size=env_int(env, "WORKER_BATCH_SIZE", cls.batch_size, minimum=1, maximum=10_000),
+            threads=env_int(env, "WORKER_THREADS", cls.threads, minimum=1, maximum=MAX_THREADS),
             poll_interval=env_float(
                 env, "WORKER_POLL_INTERVAL", cls.poll_interval, minimum=0.01, maximum=3600
             ),

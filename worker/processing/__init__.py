@@ -17,6 +17,7 @@ The pieces, each in its module:
 - `completion_buffer`: completions waiting to be written together;
 - `held_leases`: the leases a pass holds and their heartbeat;
 - `lease_keeper`: the thread that heartbeats and flushes while handlers run;
+- `runners`: the threads that run handlers beside the pass's own (`WORKER_THREADS`);
 - `unwritten`: outcomes a database error kept from being written, for the next pass;
 - `sweep`: taking back expired leases, and how often;
 - `database`: the pass's sessions and connection, its writes one thread at a time;
@@ -33,6 +34,7 @@ from worker.processing.lease_keeper import LeaseKeeper
 from worker.processing.observer import PassObserver
 from worker.processing.one_pass import run_pass, write_unwritten
 from worker.processing.result import PassResult
+from worker.processing.runners import Runners
 from worker.processing.sweep import SweepSchedule
 from worker.processing.timeouts import Unstoppable, install_nudge
 from worker.processing.unwritten import UnwrittenOutcomes
@@ -42,6 +44,7 @@ __all__ = [
     "LeaseKeeper",
     "PassObserver",
     "PassResult",
+    "Runners",
     "SweepSchedule",
     "Unstoppable",
     "UnwrittenOutcomes",

@@ -1,7 +1,8 @@
 """One pass: write what earlier passes left unwritten, sweep, claim a batch, run it, finalize it.
 
 `run_pass` is the entry point; `ProcessingPass` holds the steps and the state of one pass,
-which its lease keeper thread works on too (heartbeats, due completions).
+which its lease keeper thread works on too (heartbeats, due completions, timeouts), and so do
+its runner threads when it runs several handlers at once (`runners`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from sqlalchemy.orm import Session
 
@@ -27,16 +28,19 @@ from worker.processing.held_leases import HeldLeases
 from worker.processing.lease_keeper import LeaseKeeper
 from worker.processing.observer import NoopObserver, PassObserver
 from worker.processing.result import PassResult, ResultCounter
+from worker.processing.runners import Runners
 from worker.processing.sweep import SweepSchedule
 from worker.processing.task_log import log
 from worker.processing.timeouts import Ending
 from worker.processing.unwritten import UnwrittenOutcomes
 from worker.settings import PassSettings
-from worker.tasktypes.base import JsonValue, TaskContext
+from worker.tasktypes.base import JsonValue, TaskContext, TaskType
 
 StopFlag = threading.Event | Callable[[], bool] | None
 # Told of a handler the pass gave up on (`timeouts`), once its outcome is written.
 OnUnstoppable = Callable[[timeouts.Unstoppable], None]
+# The batch's tasks not taken by a runner yet, in claim order, each with its lease.
+_Batch = Iterator[tuple[queue.ClaimedTask, queue.Lease]]
 
 
 def run_pass(
@@ -51,24 +55,32 @@ def run_pass(
     sweep_schedule: SweepSchedule | None = None,
     keeper: LeaseKeeper | None = None,
     on_unstoppable: OnUnstoppable | None = None,
+    runners: Runners | None = None,
 ) -> PassResult:
     """Run one pass: sweep, claim up to `settings.batch_size` tasks, run and finalize each.
 
     `sessions` is a session factory, or an engine: then the pass holds one of its connections
     throughout and writes single statements in autocommit (`database`). `worker_id` is stored
     in `locked_by` (`host:pid`). The sweep runs when `sweep_schedule` says it is due, or every
-    pass without one. `stop` is checked before the claim and before each task: once set, the
-    unstarted rest of the batch is released (design §4 Release) and the pass returns. A
-    handler's `Exception` never escapes: `outcome.decide` completes, retries or fails the
-    task. A `BaseException` (KeyboardInterrupt, SystemExit) propagates after the pass writes
-    its completions and releases the unstarted rest; the interrupted task is left to lease
-    expiry. A handler's return value is stored as its task's result (`task_result`).
+    pass without one. `stop` is checked before the claim and before each task: once set, no
+    task starts, the running ones finish, the unstarted rest of the batch is released
+    (design §4 Release) and the pass returns. A handler's `Exception` never escapes:
+    `outcome.decide` completes, retries or fails the task. A `BaseException`
+    (KeyboardInterrupt, SystemExit) propagates once the running handlers returned, after
+    the pass writes its completions and releases the unstarted rest; the interrupted task
+    is left to lease expiry. A handler's return value is stored as its task's result
+    (`task_result`).
+
+    Up to `settings.threads` handlers run at once: this thread and runner threads (`runners`,
+    else started for the pass) each take the batch's next task in claim order. With 1, this
+    thread runs every task, one after the other.
 
     Each handler runs under its task's timeout (`timeouts`): one still running at it is
     stopped, and the attempt is a retryable failure. One that cannot be stopped within the
     grace is given up on: from the lease keeper's thread the pass writes its retry, the
-    buffered completions and the release of the unstarted rest, calls `on_unstoppable` (a
-    worker child exits there) and ends once the handler returns, if ever.
+    buffered completions and the release of the unstarted rest; once the other running
+    handlers have returned it calls `on_unstoppable` (a worker child exits there), and it
+    ends once the handler returns, if ever.
 
     Database errors propagate, after one more attempt to write the completions and releases
     the pass has not written yet. What that attempt could not write goes into `unwritten`, if
@@ -77,6 +89,7 @@ def run_pass(
     counts what the pass wrote, earlier passes' outcomes included.
 
     `keeper` is a lease keeper to attach the pass to; without one the pass starts its own.
+    `runners`: runner threads to use (at most `settings.threads - 1` of them are).
     """
     with worker_logging.batched(), database.opened(sessions) as db:
         return ProcessingPass(
@@ -90,6 +103,7 @@ def run_pass(
             sweep_schedule=sweep_schedule,
             keeper=keeper,
             on_unstoppable=on_unstoppable,
+            runners=runners,
         ).run()
 
 
@@ -142,6 +156,7 @@ class ProcessingPass:
         sweep_schedule: SweepSchedule | None = None,
         keeper: LeaseKeeper | None = None,
         on_unstoppable: OnUnstoppable | None = None,
+        runners: Runners | None = None,
     ) -> None:
         heartbeat_interval = settings.effective_heartbeat_interval
         if not 0 < heartbeat_interval < settings.stale_after:
@@ -159,15 +174,26 @@ class ProcessingPass:
         self.unwritten = unwritten
         self.sweep_schedule = sweep_schedule
         self.keeper = keeper
+        self.runners = runners
         self.counter = ResultCounter()
         self.leases = HeldLeases()
         self.finalizer = Finalizer(db, self.leases, self.counter, observer)
-        # Held tasks whose handler has not started: released if the pass ends early. Only
-        # the pass's own thread uses it, but for `_give_up`, while that thread is in a handler.
+        # Guards the four below, which the runners and `_give_up` (the keeper's thread) share.
+        self._lock = threading.Lock()
+        # Held tasks whose handler has not started: released if the pass ends early.
         self._unstarted: dict[uuid.UUID, queue.ClaimedTask] = {}
-        # Made here, in the thread that runs the handlers: the thread it stops.
-        self.timer = timeouts.HandlerTimer()
+        # Once set, no handler starts: the pass is stopping, failing or gave up on one.
+        self._closed = False
+        # Handlers started and not finalized yet (those given up on included).
+        self._in_hand = 0
+        # One per runner, each made in the thread whose handlers it stops (`_run_tasks`);
+        # replaced whole, so the keeper reads it without the lock.
+        self._timers: tuple[timeouts.HandlerTimer, ...] = ()
         self.on_unstoppable = on_unstoppable
+        # Handlers given up on, their outcomes written; `on_unstoppable` is told of the first
+        # once no other handler runs (then `_reported`).
+        self._stuck: list[timeouts.Unstoppable] = []
+        self._reported = False
         # Set once `_give_up` has written what the pass owed: the pass then ends.
         self._given_up = threading.Event()
 
@@ -186,22 +212,29 @@ class ProcessingPass:
         self.finalizer.flush_completions(session, force=False)
 
     def stop_overdue_handler(self, session: Session) -> None:
-        """Stop the handler running past its timeout; give up on it after the grace."""
-        overdue = self.timer.check(time.monotonic())
-        if overdue is not None:
-            self._give_up(session, overdue)
+        """Stop each handler running past its timeout; give up on one after the grace."""
+        now = time.monotonic()
+        for timer in self._timers:
+            overdue = timer.check(now)
+            if overdue is not None:
+                self._give_up(session, overdue)
+        if self._stuck and not self._reported:
+            self._report_stuck(session)
 
     def _give_up(self, session: Session, running: timeouts.Running) -> None:
-        """Write what the pass owes, a handler it cannot stop still running; then say so.
+        """Write what the pass owes, a handler it cannot stop still running.
 
-        In the lease keeper's thread; the pass's thread is in that handler (or waits for
-        this to end, `Ending.GIVEN_UP`), so it touches nothing here. The task's retry (or
+        In the lease keeper's thread; that handler's runner is in it (or waits for this to
+        end, `Ending.GIVEN_UP`). No handler starts from now on. The task's retry (or
         failure), every buffered completion, and the release of the tasks not started are
-        written now, not left to the lease's expiry: a worker child is about to exit.
+        written now, not left to the lease's expiry: a worker child is about to exit, once
+        the other running handlers are done (`_report_stuck`).
         """
         task = running.task
         ran = time.monotonic() - running.started
-        unstarted: list[queue.ClaimedTask] = []
+        with self._lock:
+            self._closed = True
+            unstarted, self._unstarted = list(self._unstarted.values()), {}
         try:
             fields = task_log.task_fields(
                 task, "task.unstoppable", ran, timeout_s=running.timeout,
@@ -219,7 +252,6 @@ class ProcessingPass:
                 max_attempts=task.max_attempts,
                 backoff=self._backoff,
             )
-            unstarted, self._unstarted = list(self._unstarted.values()), {}
             self.finalizer.settle(session, task, decision, seconds=ran)
             self.finalizer.flush_completions(session, force=True)
             self.finalizer.release(session, unstarted)
@@ -228,7 +260,8 @@ class ProcessingPass:
             # Left for the pass's thread, should the handler return (completions stay
             # buffered); else the holder's leases are taken back by the supervisor (a child
             # that exits) or expire.
-            self._unstarted.update((t.id, t) for t in unstarted)
+            with self._lock:
+                self._unstarted.update((t.id, t) for t in unstarted)
             log.warning(
                 "could not write what the pass owes after giving up on task %s (%s); those "
                 "tasks go back to the queue when their leases are taken back",
@@ -236,9 +269,34 @@ class ProcessingPass:
                 extra={"event": "tasks.owed_dropped", "task_id": str(task.id)},
             )  # fmt: skip
         finally:
+            self._stuck.append(timeouts.Unstoppable(task, running.timeout, ran))
             self._given_up.set()
+        self._report_stuck(session)
+
+    def _report_stuck(self, session: Session) -> None:
+        """Tell `on_unstoppable` of the first handler given up on, once no other one runs.
+
+        In the lease keeper's thread, which meanwhile goes on stopping the other handlers at
+        their timeouts: a worker child exits there, and tasks still running would be taken
+        back and run again. The completions written first are theirs.
+        """
+        with self._lock:
+            others = self._in_hand - len(self._stuck)
+        if others > 0:
+            return
+        self._reported = True
+        first = self._stuck[0]
+        try:
+            self.finalizer.flush_completions(session, force=True)
+        except Exception as exc:
+            log.warning(
+                "could not write the last completions of the pass that gave up on task %s "
+                "(%s); those tasks run again once their leases are taken back",
+                first.task.id, type(exc).__name__,
+                extra={"event": "tasks.owed_dropped", "task_id": str(first.task.id)},
+            )  # fmt: skip
         if self.on_unstoppable is not None:
-            self.on_unstoppable(timeouts.Unstoppable(task, running.timeout, ran))
+            self.on_unstoppable(first)
 
     # -- the pass's own thread ------------------------------------------------------------
 
@@ -297,17 +355,18 @@ class ProcessingPass:
     def _finish(self, session: Session) -> None:
         """Write every buffered completion and release every unstarted task.
 
-        On a database error what is still unwritten goes to `self.unwritten` (or, without
-        one, is left to lease expiry) and the error propagates.
+        No handler starts after it. On a database error what is still unwritten goes to
+        `self.unwritten` (or, without one, is left to lease expiry) and the error propagates.
         """
+        with self._lock:
+            self._closed = True
+            unstarted, self._unstarted = list(self._unstarted.values()), {}
         try:
             self.finalizer.flush_completions(session, force=True)
-            self.finalizer.release(session, list(self._unstarted.values()))
-            self._unstarted.clear()
+            self.finalizer.release(session, unstarted)
         except BaseException as exc:
             completions = self.finalizer.completions.take()
-            unstarted = [t for t in self._unstarted.values() if self.leases.holds(t.id)]
-            self._unstarted.clear()
+            unstarted = [t for t in unstarted if self.leases.holds(t.id)]
             if completions or unstarted:
                 self._keep_unwritten(completions, unstarted, exc)
             raise
@@ -367,23 +426,94 @@ class ProcessingPass:
     def _run_batch(
         self, session: Session, batch: Sequence[queue.ClaimedTask], leases: Sequence[queue.Lease]
     ) -> None:
-        """Run the batch's tasks in order until done or stopped.
+        """Run the batch's tasks in claim order, up to `settings.threads` at once.
 
-        Whatever ends it (the stop flag; KeyboardInterrupt or SystemExit in a handler; a
-        database error, also one before a task's handler started), `run` then writes the
-        completions and releases exactly the tasks whose handler never started. A task
-        whose handler started and did not finish stays processing: lease expiry recovers it.
+        Until every task ran or the pass stops. Whatever ends it (the stop flag;
+        KeyboardInterrupt or SystemExit in a handler; a database error, also one before a
+        task's handler started), no handler starts after it, the running ones finish, and
+        `run` then writes the completions and releases exactly the tasks whose handler
+        never started. A task whose handler started and did not finish stays processing:
+        lease expiry recovers it.
         """
-        self._unstarted = {task.id: task for task in batch}
-        for task, lease in zip(batch, leases, strict=True):
-            if self.stop() or self._given_up.is_set():
+        with self._lock:
+            self._unstarted = {task.id: task for task in batch}
+            self._closed = False
+        tasks: _Batch = zip(batch, leases, strict=True)
+        helpers = min(self.settings.threads, len(batch)) - 1
+        if self.runners is not None:
+            helpers = min(helpers, self.runners.size)
+        if helpers <= 0:
+            self._run_tasks(session, tasks)
+            return
+        runners = self.runners or Runners(helpers)
+        try:
+            runners.run(lambda: self._run_tasks(session, tasks), lambda: self._help(tasks), helpers)
+        finally:
+            if runners is not self.runners:  # started for this pass
+                runners.close()
+
+    def _help(self, tasks: _Batch) -> None:
+        """`_run_tasks` on a runner thread, with a session of its own."""
+        with self.db.session() as session:
+            self._run_tasks(session, tasks)
+
+    def _run_tasks(self, session: Session, tasks: _Batch) -> None:
+        """Take the batch's next task and run it, until none is left or no task may start.
+
+        On the calling thread; `tasks` is shared with the pass's other runners, if any. An
+        error here (a database error, a handler's BaseException) closes the pass: the other
+        runners finish their handlers and start none.
+        """
+        # Made here, in the thread that runs the handlers: the thread it stops.
+        timer = timeouts.HandlerTimer()
+        with self._lock:
+            self._timers = (*self._timers, timer)
+        try:
+            while (taken := self._next_task(tasks)) is not None:
+                task, lease = taken
+                self._confirm_leases(session)
+                if self.leases.any_lost and self.leases.take_lost(task.id):
+                    with self._lock:
+                        self._unstarted.pop(task.id, None)
+                    self.finalizer.lease_lost(task, "start")
+                    continue
+                task_type = tasktypes.get(task.type)
+                if task_type is None:
+                    self._fail_unknown_type(session, task)
+                    continue
+                with self._lock:
+                    if self._closed:  # given up on another handler meanwhile
+                        return
+                    self._in_hand += 1
+                    # From here on the task may have side effects: never released.
+                    self._unstarted.pop(task.id, None)
+                try:
+                    self._run_one(session, task, lease, task_type, timer)
+                finally:
+                    with self._lock:
+                        self._in_hand -= 1
+        except BaseException:
+            with self._lock:
+                self._closed = True
+            raise
+
+    def _next_task(self, tasks: _Batch) -> tuple[queue.ClaimedTask, queue.Lease] | None:
+        """The batch's next task, or None once it is done or no task may start."""
+        if self.stop():
+            return None
+        with self._lock:
+            return None if self._closed else next(tasks, None)
+
+    def _fail_unknown_type(self, session: Session, task: queue.ClaimedTask) -> None:
+        """Fail `task`, of a type no handler is registered for, unless handed back already."""
+        with self._lock:
+            if task.id not in self._unstarted:  # released meanwhile (`_give_up`)
                 return
-            self._confirm_leases(session)
-            if self.leases.any_lost and self.leases.take_lost(task.id):
-                self._unstarted.pop(task.id, None)
-                self.finalizer.lease_lost(task, "start")
-                continue
-            self._run_one(session, task, lease)
+        # Still unstarted while the write may fail: then it is released, not stranded.
+        failed = outcome.unknown_type(task.type, tasktypes.names())
+        self.finalizer.settle(session, task, failed, seconds=None)
+        with self._lock:
+            self._unstarted.pop(task.id, None)
 
     def _confirm_leases(self, session: Session) -> None:
         # The keeper refreshes leases in the background; if it has fallen behind (database
@@ -392,14 +522,14 @@ class ProcessingPass:
         if time.monotonic() - self.leases.confirmed_at > self.settings.stale_after / 2:
             self.heartbeat(session)
 
-    def _run_one(self, session: Session, task: queue.ClaimedTask, lease: queue.Lease) -> None:
-        task_type = tasktypes.get(task.type)
-        if task_type is None:
-            failed = outcome.unknown_type(task.type, tasktypes.names())
-            # Still unstarted while the write may fail: then it is released, not stranded.
-            self.finalizer.settle(session, task, failed, seconds=None)
-            self._unstarted.pop(task.id, None)
-            return
+    def _run_one(
+        self,
+        session: Session,
+        task: queue.ClaimedTask,
+        lease: queue.Lease,
+        task_type: TaskType,
+        timer: timeouts.HandlerTimer,
+    ) -> None:
         timeout = timeouts.timeout_of(task, task_type)
         started = time.monotonic()
         context = TaskContext(
@@ -413,9 +543,6 @@ class ProcessingPass:
             timeout=timeout,
             deadline=started + timeout,
         )
-        # From here on the task may have side effects: never released, whatever happens.
-        self._unstarted.pop(task.id, None)
-        timer = self.timer
         timer.arm(task, timeout, started)
         returned: JsonValue = None
         raised: BaseException | None = None
