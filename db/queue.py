@@ -545,8 +545,9 @@ def claim(
     Runnable: `pending` with `run_after` at or before the claim's statement time, of a
     company not paused (leases that expired are made pending by `expire_leases` first). Each
     claimed row moves to `processing` with a new `lease_token` and counts an attempt. Run it
-    under READ COMMITTED (the default) and commit right after: until then a pause of one of
-    the batch's companies waits, and so do later claims of a company with a `max_in_flight`.
+    under READ COMMITTED (the default), in autocommit (one round trip: the statement is its
+    own transaction) or in a transaction committed right after: until then a pause waits,
+    and so do later claims of the batch's companies that have a `max_in_flight`.
 
     One statement, `fairq_claim` (db/sql/claim.sql): companies take turns in ring order from
     the cluster's one cursor, each up to its `weight` tasks a turn (deficit round robin, the
@@ -561,7 +562,7 @@ def claim(
     before the rows are decoded. Without it the caller commits. Raises `DBAPIError`.
     """
     with driver_errors("claim"):
-        cursor = driver_connection(session).execute(
+        cursor = driver_connection(session, transaction=False).execute(
             _CLAIM, {"worker_id": worker_id, "batch_size": batch_size}
         )
         if commit is not None:

@@ -378,3 +378,67 @@ def test_once_a_pause_commits_sixteen_claimers_take_none_of_its_tasks(
     after = processing_by_company(fresh_engine)
     assert after[paused.id] == at_pause[0]
     assert sum(after.values()) > after[paused.id]  # the others went on being claimed
+
+
+def test_a_claim_in_autocommit_is_one_round_trip_and_leaves_no_lock_behind(
+    fresh_engine: Engine,
+) -> None:
+    """The statement is its own transaction: its batch is committed and every lock it took,
+    the reservation's session-level one included, is gone when it returns."""
+    company = insert_company(fresh_engine)
+    insert_tasks(fresh_engine, company.id, 3)
+    with fresh_engine.connect() as connection:
+        connection.execution_options(isolation_level="AUTOCOMMIT")
+        with Session(bind=connection) as session:
+            assert len(queue.claim(session, worker_id="t", batch_size=2)) == 2
+            pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+            with fresh_engine.connect() as other:
+                locks = other.execute(
+                    text("SELECT count(*) FROM pg_locks WHERE pid = :pid AND locktype = 'advisory'"),
+                    {"pid": pid},
+                ).scalar_one()
+                claimed = other.execute(
+                    text("SELECT count(*) FROM tasks WHERE status = 'processing'")
+                ).scalar_one()
+    assert locks == 0
+    assert claimed == 2
+
+
+RESERVATION_LOCK = 28817553143984755  # "fairqrs", db/sql/claim.sql
+
+
+@pytest.mark.parametrize("where", ["waiting for it", "holding it"])
+def test_a_claim_cancelled_in_its_reservation_leaves_no_lock_behind(
+    fresh_engine: Engine, where: str
+) -> None:
+    """A statement timeout while the claim waits for the reservation's session-level lock,
+    or while it holds it (here: waiting for a table lock inside), leaves no lock: the next
+    claim, on that connection or another, goes through."""
+    company = insert_company(fresh_engine)
+    insert_tasks(fresh_engine, company.id, 3)
+    with fresh_engine.connect() as holder, fresh_engine.connect() as claimer:
+        if where == "waiting for it":
+            holder.exec_driver_sql(f"SELECT pg_advisory_lock({RESERVATION_LOCK})")
+        else:
+            holder.exec_driver_sql("LOCK TABLE company_queues IN ACCESS EXCLUSIVE MODE")
+        claimer.exec_driver_sql("SET statement_timeout = '300ms'")
+        with pytest.raises(Exception, match="statement timeout"), Session(bind=claimer) as s:
+            queue.claim(s, worker_id="t", batch_size=1)
+        claimer.rollback()
+        if where == "waiting for it":
+            holder.exec_driver_sql(f"SELECT pg_advisory_unlock({RESERVATION_LOCK})")
+        holder.commit()
+        assert holder.exec_driver_sql(
+            f"SELECT pg_try_advisory_lock({RESERVATION_LOCK})"
+        ).scalar_one()
+        holder.exec_driver_sql(f"SELECT pg_advisory_unlock({RESERVATION_LOCK})")
+        holder.commit()
+        claimer.exec_driver_sql("SET statement_timeout = 0")
+        with Session(bind=claimer) as s:
+            assert len(queue.claim(s, worker_id="t", batch_size=1)) == 1
+        claimer.commit()  # the transaction the session joined: its shared lock goes with it
+        held = claimer.exec_driver_sql(
+            "SELECT objid, mode, granted FROM pg_locks "
+            "WHERE pid = pg_backend_pid() AND locktype = 'advisory'"
+        ).all()
+    assert held == []
