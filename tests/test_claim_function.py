@@ -394,7 +394,9 @@ def test_a_claim_in_autocommit_is_one_round_trip_and_leaves_no_lock_behind(
             pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
             with fresh_engine.connect() as other:
                 locks = other.execute(
-                    text("SELECT count(*) FROM pg_locks WHERE pid = :pid AND locktype = 'advisory'"),
+                    text(
+                        "SELECT count(*) FROM pg_locks WHERE pid = :pid AND locktype = 'advisory'"
+                    ),
                     {"pid": pid},
                 ).scalar_one()
                 claimed = other.execute(
