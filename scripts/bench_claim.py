@@ -2,9 +2,12 @@
 
 Variants, each claiming a batch of 100 in a transaction that is rolled back afterwards:
 - ours: `db.queue.claim(session, worker_id=..., batch_size=100)` exactly as workers run it,
-  every statement included (the claimers' advisory lock first), timed as a whole; the time
-  of each of its statements is recorded too, at the driver (a psycopg cursor class that
-  logs each execute: a few microseconds);
+  whatever statements it sends, timed as a whole; the only thing of `db.queue` the timings
+  use, so they measure whatever the claim is. By statement (`--no-breakdown` skips it): the
+  time of each statement it sends through a psycopg cursor is recorded too, at the driver (a
+  cursor class that logs each execute: a few microseconds), each named after the constant of
+  `db.queue` that holds its SQL, else after its first words; a claim that sends none that
+  way gets no breakdown, and the output says so;
 - previous: the claim of commit f2958cf, embedded below (its lock statement, then one
   statement: per-company top-K driven by the `companies` table, at most 10 per company,
   pending work merged with stale leases), with its parameters (cap 10, stale after 300 s),
@@ -22,20 +25,29 @@ most 1.5x the floor in every shape, at 100k and at 1M rows.
 
 Method: each shape is seeded (or reused with `--reuse` when the database holds it already:
 it holds one shape, the last one seeded, so that pays off when one shape is run again),
-VACUUM ANALYZEd, then checked untimed (ours claims min(100, runnable) tasks, the previous
-claim min(100, the sum over companies of min(10, eligible)), the floor every id it is
-given, in order). Each timed run is one transaction, rolled back, on a freshly vacuumed
-database (every variant starts from the same visibility map); the variants take turns run
-by run, a different one first each round, so background load falls on all alike. After
+VACUUM ANALYZEd, then checked untimed in each mode (ours claims min(100, runnable) tasks,
+the previous claim min(100, the sum over companies of min(10, eligible)), the floor every
+id it is given, in order). Each timed run is one transaction, rolled back, on a freshly
+vacuumed database (every variant starts from the same visibility map); the variants of
+every mode take turns run by run, a different one first each round, so background load
+falls on all alike. After
 `--warmup` rounds, the median of `--runs` is reported, with the ratios to the floor, the
 batch sizes and the load average.
 
-Prepared statements: a worker commits its claims, so psycopg prepares each statement on its
-sixth execution and PostgreSQL may then settle on a generic plan (after five custom ones).
-psycopg forgets its prepared statements on rollback, so here ROLLBACK goes to the libpq
-connection underneath (`rollback`), and the ten warm-up rounds reach that steady state.
-`--replan` rolls back through psycopg instead: every statement is parsed and planned on
-every run, as in the benchmark before this one.
+Two modes, side by side in the same rounds (each variant in each, the floor and the previous
+claim included), each on a connection of its own made as a worker child makes its engine
+(`db.engine.make_engine` with the worker's statement timeout):
+- prepared, as a worker with `DATABASE_POOL_MODE=session` (the default): a worker commits
+  its claims, so psycopg prepares each statement on its sixth execution (`prepare_threshold`
+  5) and PostgreSQL may then settle on a generic plan (after five custom ones). psycopg
+  forgets its prepared statements on rollback, so here ROLLBACK goes to the libpq connection
+  underneath (`rollback`), and the ten warm-up rounds reach that steady state;
+- unprepared, as a worker with `DATABASE_POOL_MODE=transaction` (behind a transaction pooler,
+  PgBouncer's `pool_mode = transaction`, where a statement prepared by name on one server
+  connection is unknown on the next): `transaction_pooling=True`, so `prepare_threshold=None`
+  (and no startup options): every statement is parsed and planned on every call.
+`--prepared` or `--unprepared` runs one mode only. Each mode has its table, then one table
+has the ratio ours / floor of both, per shape.
 
 `--stale-statistics`: instead of the shapes, the claim on statistics that predate a burst of
 inserts. For 1 and 50 companies: 10 tasks each, ANALYZE, autovacuum off on the queue tables,
@@ -43,15 +55,16 @@ then `--burst` (500,000) more pending tasks, and ours is timed before and after 
 (the goal: at most 2x; a planner that trusted the old statistics once hash-joined the whole
 backlog, 360-400 ms a claim instead of 1.6 ms).
 
-`--explain`: EXPLAIN (ANALYZE, BUFFERS) of every statement ours ran, replayed with the very
-parameters it used (unprepared: planning time included), and of the previous claim, then
-each prepared statement's count of generic and custom plans. Timings are printed, never
-asserted; a failed check makes the exit status 1.
+`--explain`: EXPLAIN (ANALYZE, BUFFERS) of every statement ours ran (as recorded by
+statement), replayed with the very parameters it used (unprepared: planning time included),
+and of the previous claim, then each prepared statement's count of generic and custom plans
+(prepared mode). Timings are printed, never asserted; a failed check makes the exit status 1.
 
 Usage (from the repository root):
     .venv/bin/python -m scripts.bench_claim [--companies N --active M]
         [--rows 100000] [--million] [--delayed-fraction 0.2] [--runs 11] [--warmup 10]
-        [--replan] [--reuse] [--explain] [--seed 42] [--stale-statistics [--burst 500000]]
+        [--prepared | --unprepared] [--no-breakdown] [--reuse] [--explain] [--seed 42]
+        [--stale-statistics [--burst 500000]]
         [--database-url postgresql+psycopg://postgres@127.0.0.1:5432/fairq_bench]
 """
 
@@ -64,18 +77,20 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
 import psycopg
 from psycopg.abc import Params, Query
-from sqlalchemy import Engine, TextClause, event, text
+from sqlalchemy import Engine, TextClause, event, pool, text
 from sqlalchemy.orm import Session
 
+from db import engine as db_engine
 from db import queue
 from devtools import stack
 from scripts import perf_seed
+from worker import processing
 
 BATCH = 100
 WORKER = "bench:0"
@@ -267,17 +282,27 @@ class TimedCursor(psycopg.Cursor[Any]):
             log = TimedCursor.log
             if log is not None and isinstance(query, str):
                 ms = (time.perf_counter() - started) * 1000.0
-                log.append(Executed(TimedCursor.names.get(query, "other"), ms, query, params))
+                log.append(Executed(statement_name(query), ms, query, params))
+
+
+def statement_name(query: str) -> str:
+    """The name of the constant that holds `query`, else its first words, quoted."""
+    name = TimedCursor.names.get(query)
+    if name is not None:
+        return name
+    words = " ".join(query.split())
+    return repr(words if len(words) <= 40 else words[:39] + "…")
 
 
 class StatementClock:
-    """Times every statement sent through an engine's connections, while `record` is active.
+    """Times every statement sent through some engines' connections, while `record` is active.
 
     Statements are named after the constant of `db.queue` (or of this script) that holds
-    them: raw SQL strings as they are, `text()` clauses as SQLAlchemy compiles them.
+    them, whatever those are: raw SQL strings as they are, `text()` clauses as SQLAlchemy
+    compiles them.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engines: Sequence[Engine]) -> None:
         named: dict[str, object] = {
             name: value
             for name, value in vars(queue).items()
@@ -286,13 +311,14 @@ class StatementClock:
         named |= {"PREVIOUS_LOCK": PREVIOUS_LOCK, "PREVIOUS_CLAIM": PREVIOUS_CLAIM, "FLOOR": FLOOR}
         for name, value in named.items():
             sql = (
-                str(value.compile(dialect=engine.dialect))
+                str(value.compile(dialect=engines[0].dialect))
                 if isinstance(value, TextClause)
                 else value
             )
             TimedCursor.names[str(sql)] = name.lstrip("_").lower()
-        event.listen(engine, "connect", _use_timed_cursor)
-        engine.dispose()  # connections made before this listener get no timed cursor
+        for engine in engines:
+            event.listen(engine, "connect", _use_timed_cursor)
+            engine.dispose()  # connections made before this listener get no timed cursor
 
     @contextmanager
     def record(self) -> Iterator[list[Executed]]:
@@ -310,6 +336,49 @@ def _use_timed_cursor(dbapi_connection: Any, connection_record: Any) -> None:
 
 
 @dataclass(frozen=True)
+class Mode:
+    """How the claiming connection sends statements: prepared by psycopg, or not (pooled)."""
+
+    name: str
+    engine: Engine
+    prepared: bool
+
+    def describe(self) -> str:
+        """What this mode is, in the words of the worker's settings."""
+        if self.prepared:
+            return (
+                "prepared: psycopg prepares each statement on its sixth execution "
+                "(prepare_threshold 5), as on a worker's connection (DATABASE_POOL_MODE="
+                "session); the floor and the previous claim prepared alike"
+            )
+        return (
+            "unprepared: prepare_threshold=None and no startup options, as a worker under "
+            "transaction pooling (DATABASE_POOL_MODE=transaction): every statement parsed and "
+            "planned on every call; the floor and the previous claim unprepared alike"
+        )
+
+
+MODES = ("prepared", "unprepared")
+
+
+def mode_engine(url: str, *, prepared: bool) -> Engine:
+    """An engine made as a worker child makes its own (`worker.child`), with one connection.
+
+    The same `db.engine.make_engine` call: the worker's statement timeout, and
+    `transaction_pooling` (`DATABASE_POOL_MODE=transaction`) unless `prepared`, which sets
+    `prepare_threshold=None` and sends no startup options. One connection, kept
+    (`SingletonThreadPool`): psycopg's prepared statements last from run to run.
+    """
+    return db_engine.make_engine(
+        url,
+        application_name=f"fairq-bench-{'prepared' if prepared else 'unprepared'}",
+        statement_timeout_ms=processing.WORKER_STATEMENT_TIMEOUT_MS,
+        transaction_pooling=not prepared,
+        poolclass=pool.SingletonThreadPool,
+    )
+
+
+@dataclass(frozen=True)
 class Variant:
     """A named way to claim one batch inside the caller's transaction; returns the rows."""
 
@@ -319,6 +388,10 @@ class Variant:
 
 def _ours(session: Session) -> Sequence[Any]:
     return queue.claim(session, worker_id=WORKER, batch_size=BATCH)
+
+
+OURS = Variant("ours", _ours)
+VARIANTS = ("ours", "previous", "floor")
 
 
 def _previous(session: Session) -> Sequence[Any]:
@@ -343,27 +416,29 @@ class Timed:
 
 
 @dataclass
-class Result:
-    """What one shape measured: per variant the timings, and ours per statement."""
+class Measured:
+    """What one mode measured on one shape: per variant the timings, and ours per statement."""
 
-    shape: perf_seed.Shape
     batches: dict[str, int]
-    ms: dict[str, list[float]] = field(default_factory=dict)
+    failures: list[str]
+    ms: dict[str, list[float]] = field(default_factory=lambda: {v: [] for v in VARIANTS})
     # statement name -> (milliseconds per run summed over its executions, executions per run)
     statements: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
-    # per run of ours: milliseconds outside its statements (Python, the driver)
+    # per run of ours that recorded statements: milliseconds outside them (Python, the driver)
     outside: list[float] = field(default_factory=list)
-    load: str = ""
-    failures: list[str] = field(default_factory=list)
 
     def median(self, variant: str) -> float:
         """Median milliseconds of `variant`."""
         return statistics.median(self.ms[variant])
 
+    def ratio(self) -> float:
+        """Median of ours over median of the floor."""
+        return self.median("ours") / self.median("floor")
+
     def add(self, variant: str, timed: Timed) -> None:
         """Count one timed run of `variant` (of ours, each statement's share too)."""
         self.ms[variant].append(timed.ms)
-        if variant != "ours":
+        if variant != "ours" or not timed.statements:
             return
         per_run: dict[str, tuple[float, int]] = {}
         for executed in timed.statements:
@@ -372,6 +447,19 @@ class Result:
         for name, value in per_run.items():
             self.statements.setdefault(name, []).append(value)
         self.outside.append(timed.ms - sum(ms for ms, _ in per_run.values()))
+
+
+@dataclass
+class Result:
+    """What one shape measured, per mode."""
+
+    shape: perf_seed.Shape
+    modes: dict[str, Measured] = field(default_factory=dict)
+    load: str = ""
+
+    def failures(self) -> list[str]:
+        """Every failed check, named by its mode."""
+        return [f"{mode}: {f}" for mode, m in self.modes.items() for f in m.failures]
 
 
 def _load() -> str:
@@ -432,26 +520,34 @@ def rollback(session: Session, *, keep_prepared: bool) -> None:
 
 @dataclass
 class Bench:
-    """How to time: the engine, its statement clock, and the method's settings."""
+    """How to time: the engines, the statement clock, and the method's settings.
 
-    engine: Engine
-    clock: StatementClock
+    `admin` seeds, vacuums, checks and replays EXPLAIN; each mode's engine only claims.
+    `clock`: None with `--no-breakdown` (statements not recorded).
+    """
+
+    admin: Engine
+    modes: Sequence[Mode]
+    clock: StatementClock | None
     runs: int
     warmup: int
     reuse: bool
     explain: bool
-    keep_prepared: bool
 
-    def run_once(self, variant: Variant) -> Timed:
+    def record(self) -> AbstractContextManager[list[Executed]]:
+        """The statements executed inside the block (none recorded without a clock)."""
+        return self.clock.record() if self.clock is not None else nullcontext([])
+
+    def run_once(self, mode: Mode, variant: Variant) -> Timed:
         """One run of `variant` from a freshly vacuumed database, in a transaction rolled back."""
-        perf_seed.vacuum(self.engine)
-        with Session(self.engine) as session:
+        perf_seed.vacuum(self.admin)
+        with Session(mode.engine) as session:
             session.execute(_BEGIN)
-            with self.clock.record() as statements:
+            with self.record() as statements:
                 started = time.perf_counter()
                 rows = variant.run(session)
                 elapsed = (time.perf_counter() - started) * 1000.0
-            rollback(session, keep_prepared=self.keep_prepared)
+            rollback(session, keep_prepared=mode.prepared)
         return Timed(elapsed, rows, statements)
 
     def explain_plans(self, statements: Sequence[Executed]) -> str:
@@ -461,9 +557,9 @@ class Bench:
         did, as in the run the statements were recorded from (which started from the same
         state: the database is vacuumed first here too). Not prepared: planning included.
         """
-        perf_seed.vacuum(self.engine)
+        perf_seed.vacuum(self.admin)
         out: list[str] = []
-        with Session(self.engine) as session:
+        with Session(self.admin) as session:
             session.execute(_BEGIN)
             driver = _driver(session)
             for executed in statements:
@@ -474,109 +570,154 @@ class Bench:
                 ).fetchall()
                 out.append(f"-- {executed.name}")
                 out.extend(str(row[0]) for row in plan)
-            rollback(session, keep_prepared=self.keep_prepared)
+            session.rollback()
         return "\n".join(out)
 
-    def prepared(self) -> str:
-        """The bench connection's prepared statements: plans of each kind, first words."""
-        with self.engine.connect() as conn:
+    def prepared(self, mode: Mode) -> str:
+        """The prepared statements of `mode`'s connection: plans of each kind, first words."""
+        with mode.engine.connect() as conn:
             rows = conn.execute(text(_PREPARED)).all()
         return "\n".join(f"  {r.generic:>5} {r.custom:>6}  {r.statement}" for r in rows)
 
-    def shape(self, shape: perf_seed.Shape) -> Result:
-        """Seed (unless reusable), check and time every variant on `shape`."""
-        print(f"== {shape.describe()}", flush=True)
-        if self.reuse and perf_seed.reusable(self.engine, shape):
-            print("  reusing the seed: " + perf_seed.stats(self.engine).describe(), flush=True)
-        else:
-            print("  seeded: " + perf_seed.seed(self.engine, shape).describe(), flush=True)
-        perf_seed.vacuum(self.engine, analyze=True)
-
-        first = {"ours": self.run_once(Variant("ours", _ours))}
+    def first_runs(self, mode: Mode) -> tuple[list[Variant], dict[str, Timed], Measured]:
+        """Untimed: each variant once in `mode`, checked; the floor gets the ids ours took."""
+        first = {"ours": self.run_once(mode, OURS)}
         ids = [row.id for row in first["ours"].rows]
-        variants = [
-            Variant("ours", _ours),
-            Variant("previous", _previous),
-            Variant("floor", _floor(ids)),
-        ]
+        variants = [OURS, Variant("previous", _previous), Variant("floor", _floor(ids))]
         for variant in variants[1:]:
-            first[variant.name] = self.run_once(variant)
-        result = Result(shape, {name: len(timed.rows) for name, timed in first.items()})
-        result.failures = _checks(self.engine, first, ids)
+            first[variant.name] = self.run_once(mode, variant)
+        measured = Measured(
+            {name: len(timed.rows) for name, timed in first.items()},
+            _checks(self.admin, first, ids),
+        )
         served = Counter(row.company_id for row in first["ours"].rows)
         print(
-            f"  ours took {len(ids)} tasks from {len(served)} companies "
+            f"  {mode.name}: ours took {len(ids)} tasks from {len(served)} "
+            f"compan{'y' if len(served) == 1 else 'ies'} "
             f"({min(served.values(), default=0)} to {max(served.values(), default=0)} each), "
-            f"previous {result.batches['previous']}, floor {result.batches['floor']}: "
+            f"previous {measured.batches['previous']}, floor {measured.batches['floor']}: "
             + (
                 "checks ok"
-                if not result.failures
-                else "CHECKS FAILED: " + "; ".join(result.failures)
+                if not measured.failures
+                else "CHECKS FAILED: " + "; ".join(measured.failures)
             ),
             flush=True,
         )
+        return variants, first, measured
 
-        result.ms = {v.name: [] for v in variants}
+    def shape(self, shape: perf_seed.Shape) -> Result:
+        """Seed (unless reusable), check and time every variant in every mode on `shape`."""
+        print(f"== {shape.describe()}", flush=True)
+        if self.reuse and perf_seed.reusable(self.admin, shape):
+            print("  reusing the seed: " + perf_seed.stats(self.admin).describe(), flush=True)
+        else:
+            print("  seeded: " + perf_seed.seed(self.admin, shape).describe(), flush=True)
+        perf_seed.vacuum(self.admin, analyze=True)
+
+        result = Result(shape)
+        turns: list[tuple[Mode, Variant]] = []
+        firsts: dict[str, dict[str, Timed]] = {}
+        for mode in self.modes:
+            variants, firsts[mode.name], result.modes[mode.name] = self.first_runs(mode)
+            turns.extend((mode, variant) for variant in variants)
+
         for i in range(self.warmup + self.runs):
-            # Each round starts with another variant: none always runs right after VACUUM's
-            # own kind of work, or right after another variant's.
-            for variant in variants[i % len(variants) :] + variants[: i % len(variants)]:
-                timed = self.run_once(variant)
+            # Each round starts with another variant (of another mode): none always runs
+            # right after VACUUM's own kind of work, or right after another variant's.
+            k = i % len(turns)
+            for mode, variant in turns[k:] + turns[:k]:
+                timed = self.run_once(mode, variant)
                 if i >= self.warmup:
-                    result.add(variant.name, timed)
+                    result.modes[mode.name].add(variant.name, timed)
         result.load = _load()
-        for variant in variants:
-            t = result.ms[variant.name]
+        for mode in self.modes:
+            measured = result.modes[mode.name]
+            for name in VARIANTS:
+                t = measured.ms[name]
+                print(
+                    f"  {mode.name:<10} {name:<9} median {statistics.median(t):8.2f} ms  "
+                    f"(min {min(t):.2f}, max {max(t):.2f})",
+                    flush=True,
+                )
             print(
-                f"  {variant.name:<9} median {statistics.median(t):8.2f} ms  "
-                f"(min {min(t):.2f}, max {max(t):.2f})",
+                f"  {mode.name:<10} ours by statement: {self.statement_cells(measured)}",
                 flush=True,
             )
-        print(f"  ours by statement: {_statement_cells(result)}", flush=True)
 
         if self.explain:
+            mode = self.modes[0]
             for name in ("ours", "previous"):
                 print(f"  EXPLAIN ANALYZE, {name}, statement by statement:", flush=True)
-                print(self.explain_plans(first[name].statements), flush=True)
-            print("  prepared statements of the bench connection (generic, custom plans):")
-            print(self.prepared(), flush=True)
+                print(self.explain_plans(firsts[mode.name][name].statements), flush=True)
+            for mode in self.modes:
+                if mode.prepared:
+                    print("  prepared statements of the prepared connection (generic, custom):")
+                    print(self.prepared(mode), flush=True)
         return result
 
+    def statement_cells(self, measured: Measured) -> str:
+        """Ours by statement: median ms of each (xN: executions per claim), and the rest."""
+        if self.clock is None:
+            return "skipped (--no-breakdown)"
+        if not measured.statements:
+            return (
+                "skipped: ours sent no statement through a psycopg cursor's execute, "
+                "nothing to time at the driver"
+            )
+        cells = []
+        runs = len(measured.ms["ours"])
+        for name, values in measured.statements.items():
+            ms = statistics.median(v[0] for v in values)
+            times = max(v[1] for v in values)
+            cell = f"{name} {ms:.2f}" + (f" (x{times})" if times > 1 else "")
+            # A statement that runs only in some claims (the settle step) says how many.
+            cells.append(cell + (f" [{len(values)}/{runs} runs]" if len(values) < runs else ""))
+        cells.append(f"outside statements {statistics.median(measured.outside):.2f}")
+        return "; ".join(cells)
 
-def _statement_cells(result: Result) -> str:
-    cells = []
-    runs = len(result.ms["ours"])
-    for name, values in result.statements.items():
-        ms = statistics.median(v[0] for v in values)
-        times = max(v[1] for v in values)
-        cell = f"{name} {ms:.2f}" + (f" (x{times})" if times > 1 else "")
-        # A statement that runs only in some claims (the settle step) says how many.
-        cells.append(cell + (f" [{len(values)}/{runs} runs]" if len(values) < runs else ""))
-    cells.append(f"outside statements {statistics.median(result.outside):.2f}")
-    return ", ".join(cells)
+    def table(self, results: Sequence[Result], mode: Mode) -> str:
+        """One row per shape: medians, ratios to the floor, batch sizes, load average."""
+        lines = [
+            f"{'shape':<44}{'ours':>8}{'previous':>10}{'floor':>8}{'ours/floor':>12}"
+            f"{'prev/floor':>12}{'(mins)':>8}  {'batch o/p/f':<13}load (1 5 15 min)",
+        ]
+        for r in results:
+            m = r.modes[mode.name]
+            ours, previous, floor = m.median("ours"), m.median("previous"), m.median("floor")
+            batches = "/".join(str(m.batches[n]) for n in VARIANTS)
+            over = "*" if ours / floor > GOAL else " "
+            # Minimum over minimum: what is left when background load missed both runs.
+            mins = min(m.ms["ours"]) / min(m.ms["floor"])
+            lines.append(
+                f"{shape_label(r.shape):<44}{ours:>8.2f}{previous:>10.2f}{floor:>8.2f}"
+                f"{ours / floor:>10.2f}x{over}{previous / floor:>11.2f}x{mins:>7.2f}x  "
+                f"{batches:<13}{r.load}"
+            )
+        lines.append("")
+        lines.append("ours by statement, median ms (xN: executions per claim):")
+        for r in results:
+            cells = self.statement_cells(r.modes[mode.name])
+            lines.append(f"  {shape_label(r.shape):<42}{cells}")
+        return "\n".join(lines)
 
 
-def table(results: Sequence[Result]) -> str:
-    """One row per shape: medians, ratios to the floor, batch sizes, load average."""
-    lines = [
-        f"{'shape':<44}{'ours':>8}{'previous':>10}{'floor':>8}{'ours/floor':>12}"
-        f"{'prev/floor':>12}{'(mins)':>8}  {'batch o/p/f':<13}load (1 5 15 min)",
-    ]
+def side_by_side(results: Sequence[Result], modes: Sequence[Mode]) -> str:
+    """One row per shape: ours / floor in each mode, and what not preparing costs each."""
+    header = f"{'shape':<44}" + "".join(f"{m.name + ' o/f':>16}" for m in modes)
+    compare = len(modes) == len(MODES)  # both ran
+    if compare:
+        header += f"{'ours u/p':>12}{'floor u/p':>12}"
+    lines = [header]
     for r in results:
-        ours, previous, floor = r.median("ours"), r.median("previous"), r.median("floor")
-        batches = "/".join(str(r.batches[n]) for n in ("ours", "previous", "floor"))
-        over = "*" if ours / floor > GOAL else " "
-        # Minimum over minimum: what is left when background load missed both runs.
-        mins = min(r.ms["ours"]) / min(r.ms["floor"])
-        lines.append(
-            f"{shape_label(r.shape):<44}{ours:>8.2f}{previous:>10.2f}{floor:>8.2f}"
-            f"{ours / floor:>10.2f}x{over}{previous / floor:>11.2f}x{mins:>7.2f}x  "
-            f"{batches:<13}{r.load}"
-        )
-    lines.append("")
-    lines.append("ours by statement, median ms (xN: executions per claim):")
-    for r in results:
-        lines.append(f"  {shape_label(r.shape):<42}{_statement_cells(r)}")
+        line = f"{shape_label(r.shape):<44}"
+        for mode in modes:
+            ratio = r.modes[mode.name].ratio()
+            line += f"{ratio:>14.2f}x{'*' if ratio > GOAL else ' '}"
+        if compare:
+            prepared, unprepared = (r.modes[m.name] for m in modes)
+            for name in ("ours", "floor"):
+                line += f"{unprepared.median(name) / prepared.median(name):>11.2f}x"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -605,11 +746,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=10,
         help="untimed rounds first (10: statements prepared, generic plans chosen)",
     )
-    parser.add_argument(
-        "--replan",
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument(
+        "--prepared",
         action="store_true",
-        help="roll back through psycopg, which forgets prepared statements: every run "
-        "parses and plans every statement (unlike a worker)",
+        help="only the prepared mode (a worker's default: psycopg prepares statements)",
+    )
+    only.add_argument(
+        "--unprepared",
+        action="store_true",
+        help="only the unprepared mode (a worker with DATABASE_POOL_MODE=transaction: "
+        "prepare_threshold=None, every statement parsed and planned on every call)",
+    )
+    parser.add_argument(
+        "--no-breakdown",
+        action="store_true",
+        help="do not record ours statement by statement (no per-statement table)",
     )
     parser.add_argument(
         "--reuse", action="store_true", help="keep a seed of the same shape if the database has one"
@@ -635,6 +787,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--companies and --active go together")
     if args.runs < 3 or args.warmup < 0:
         parser.error("--runs must be at least 3 and --warmup not negative")
+    if args.explain and args.no_breakdown:
+        parser.error(
+            "--explain replays the statements the breakdown records: not with --no-breakdown"
+        )
+    args.modes = [
+        name for name in MODES if not (args.prepared or args.unprepared) or getattr(args, name)
+    ]
     try:
         args.shapes = shapes(args)
     except ValueError as exc:
@@ -653,29 +812,29 @@ def shapes(args: argparse.Namespace) -> list[perf_seed.Shape]:
     ]
 
 
-def _time_ours(engine: Engine, runs: int, warmup: int) -> tuple[float, int]:
+def _time_ours(mode: Mode, runs: int, warmup: int) -> tuple[float, int]:
     """Median milliseconds of ours over `runs` rolled-back claims, and the last batch size."""
     times: list[float] = []
     batch: Sequence[Any] = ()
-    with Session(engine) as session:
+    with Session(mode.engine) as session:
         for i in range(warmup + runs):
             session.connection()
             started = time.perf_counter()
             batch = _ours(session)
             elapsed = (time.perf_counter() - started) * 1000.0
-            rollback(session, keep_prepared=True)
+            rollback(session, keep_prepared=mode.prepared)
             if i >= warmup:
                 times.append(elapsed)
     return statistics.median(times), len(batch)
 
 
-def stale_statistics(engine: Engine, args: argparse.Namespace) -> list[str]:
-    """Ours after a burst of inserts on old statistics, and after ANALYZE: one line each."""
+def stale_statistics(admin: Engine, modes: Sequence[Mode], args: argparse.Namespace) -> list[str]:
+    """Ours after a burst of inserts on old statistics, and after ANALYZE: a line per mode."""
     lines = []
     for companies in (1, 50):
-        with engine.begin() as conn:
+        with admin.begin() as conn:
+            # The claim's cursor is left where it is, whatever holds it: the ring wraps.
             conn.execute(text("TRUNCATE tasks, company_queues, company_backlogs, companies"))
-            conn.execute(text("UPDATE claim_cursor SET ring_position = 0, credit = 0"))
             for table_name in ("tasks", "company_queues"):
                 conn.execute(text(f"ALTER TABLE {table_name} SET (autovacuum_enabled = false)"))
             conn.execute(
@@ -691,9 +850,9 @@ def stale_statistics(engine: Engine, args: argparse.Namespace) -> list[str]:
                     "SELECT c.id, 'noop', '{}' FROM companies c, generate_series(1, 10)"
                 )
             )
-        with engine.connect() as conn:
+        with admin.connect() as conn:
             conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("VACUUM ANALYZE"))
-        with engine.begin() as conn:
+        with admin.begin() as conn:
             conn.execute(
                 text(
                     "INSERT INTO tasks (company_id, type, payload) "
@@ -701,53 +860,54 @@ def stale_statistics(engine: Engine, args: argparse.Namespace) -> list[str]:
                 ),
                 {"n": args.burst // companies},
             )
-        before, got_before = _time_ours(engine, args.runs, args.warmup)
-        with engine.connect() as conn:
+        before = {mode.name: _time_ours(mode, args.runs, args.warmup) for mode in modes}
+        with admin.connect() as conn:
             conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("ANALYZE"))
-        after, got_after = _time_ours(engine, args.runs, args.warmup)
-        with engine.begin() as conn:
+        after = {mode.name: _time_ours(mode, args.runs, args.warmup) for mode in modes}
+        with admin.begin() as conn:
             for table_name in ("tasks", "company_queues"):
                 conn.execute(text(f"ALTER TABLE {table_name} RESET (autovacuum_enabled)"))
-        lines.append(
-            f"{companies:>2} compan{'y' if companies == 1 else 'ies'}: "
-            f"stale statistics {before:6.2f} ms, after ANALYZE {after:6.2f} ms, "
-            f"ratio {before / after:.2f}x (goal at most 2x); batches {got_before}/{got_after}"
-        )
+        for mode in modes:
+            (stale, got_stale), (fresh, got_fresh) = before[mode.name], after[mode.name]
+            lines.append(
+                f"{companies:>2} compan{'y' if companies == 1 else 'ies'}, {mode.name:<10}: "
+                f"stale statistics {stale:6.2f} ms, after ANALYZE {fresh:6.2f} ms, "
+                f"ratio {stale / fresh:.2f}x (goal at most 2x); batches {got_stale}/{got_fresh}"
+            )
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run every shape, then print one table per size."""
+    """Run every shape in every mode, then print one table per size and mode, and the ratios."""
     args = parse_args(argv)
-    if args.stale_statistics:
-        with perf_seed.database(args.database_url) as url:
-            engine = perf_seed.bench_engine(url)
-            try:
-                lines = stale_statistics(engine, args)
-            finally:
-                engine.dispose()
-        print(f"{args.burst:,} pending tasks inserted after ANALYZE saw 10 per company")
-        print("\n".join(lines))
-        return 0
-    results: list[Result] = []
     with perf_seed.database(args.database_url) as url:
-        engine = perf_seed.bench_engine(url)
+        admin = perf_seed.bench_engine(url)
+        modes = [
+            Mode(name, mode_engine(url, prepared=name == "prepared"), name == "prepared")
+            for name in args.modes
+        ]
         try:
+            if args.stale_statistics:
+                lines = stale_statistics(admin, modes, args)
+                print(f"{args.burst:,} pending tasks inserted after ANALYZE saw 10 per company")
+                print("\n".join(lines))
+                return 0
             bench = Bench(
-                engine,
-                StatementClock(engine),
+                admin,
+                modes,
+                None if args.no_breakdown else StatementClock([m.engine for m in modes]),
                 runs=args.runs,
                 warmup=args.warmup,
                 reuse=args.reuse,
                 explain=args.explain,
-                keep_prepared=not args.replan,
             )
-            with engine.connect() as conn:
+            with admin.connect() as conn:
                 version = conn.execute(text("SELECT version()")).scalar_one()
             load_before = _load()
-            results.extend(bench.shape(shape) for shape in args.shapes)
+            results = [bench.shape(shape) for shape in args.shapes]
         finally:
-            engine.dispose()
+            for engine in (admin, *(m.engine for m in modes)):
+                engine.dispose()
     print()
     print(version)
     print(
@@ -756,18 +916,20 @@ def main(argv: list[str] | None = None) -> int:
         f"rounds), milliseconds; * = ours above {GOAL}x the floor; (mins): ours/floor "
         "of the fastest runs"
     )
-    print(
-        "statements parsed and planned on every run (--replan)"
-        if args.replan
-        else "statements prepared by psycopg as on a worker's connection (see --replan)"
-    )
     print(f"load average before {load_before}, after {_load()} ({os.cpu_count()} CPUs)")
     for rows in dict.fromkeys(r.shape.rows for r in results):
         sized = [r for r in results if r.shape.rows == rows]
         fraction = sized[0].shape.delayed_fraction
         print(f"\n{rows:,} pending tasks, {fraction:.0%} of them delayed")
-        print(table(sized))
-    failures = [f"{shape_label(r.shape)}: {f}" for r in results for f in r.failures]
+        for mode in modes:
+            print(f"\n{mode.describe()}")
+            print(bench.table(sized, mode))
+        print(
+            "\nours / floor, median over median, per mode"
+            + (" (u/p: unprepared over prepared, each variant's median)" if len(modes) > 1 else "")
+        )
+        print(side_by_side(sized, modes))
+    failures = [f"{shape_label(r.shape)}: {f}" for r in results for f in r.failures()]
     if failures:
         print("\nCHECKS FAILED:\n  " + "\n  ".join(failures))
     return 1 if failures else 0

@@ -18,6 +18,20 @@ the first `picked` one. Also printed: the CPU time the worker processes used per
 claim time from the supervisor's metrics. The summary has the median of each, and the ratios
 the goal is stated in: fairq / pgqueuer per shape, and 1 company / 50 companies.
 
+Per completed task, on both sides: WAL bytes and commits, with their fairq / pgqueuer ratios
+and the goals at batch 100 (at most 2 KiB of WAL and 0.05 commits a task). WAL:
+`pg_wal_lsn_diff` of `pg_current_wal_lsn()` from just before the drain starts (the tasks
+inserted) to its end (every task finished). That is the whole cluster's WAL: exact on the
+embedded server (the default), while on a shared server (`--database-url`) other databases'
+writes count too, and the summary says so (with their commits seen meanwhile). Commits:
+`xact_commit` of the benchmark's database in `pg_stat_database`, from the same start until
+the workers' server connections have closed (a backend publishes its counters at most once a
+second while it runs, and at its exit), so the workers' idle wait and their shutdown count
+too, as do autovacuum's and the benchmark's own few (its polling reads roll back). Before each
+side seeds its tasks a CHECKPOINT (`--no-checkpoint` to skip) puts the next timed one minutes
+away: pages first written after a checkpoint need no full-page image, so the drain's WAL has
+almost none; a run during which a checkpoint happened anyway says so.
+
 `--hold-snapshot SECONDS` adds, right after each fairq run, the same run while another
 connection holds a REPEATABLE READ transaction that has taken its snapshot: opened just before
 the tasks are inserted, ended after SECONDS or when the drain is over, whichever comes first.
@@ -35,7 +49,7 @@ Usage (from the repository root):
     .venv/bin/python -m scripts.bench_throughput [--tasks 20000]
         [--companies 1,50,2000] [--runs 3] [--concurrency 2] [--batch-size 100]
         [--log-level WARNING] [--log-format text] [--no-pgqueuer] [--fast-commit]
-        [--hold-snapshot SECONDS]
+        [--hold-snapshot SECONDS] [--no-checkpoint]
         [--database-url postgresql+psycopg://postgres@127.0.0.1:5432/fairq_bench]
 """
 
@@ -52,7 +66,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,8 +86,13 @@ if TYPE_CHECKING:
 # The goal of issue 9 on the reference box (README "Performance").
 GOAL_VS_PGQUEUER = 1.25
 GOAL_LONE_VS_50 = 0.9
+# Per completed task at batch 100 (issue 9's cost goals).
+GOAL_WAL_BYTES = 2048
+GOAL_COMMITS = 0.05
+GOAL_BATCH = 100
 PGQUEUER_ENTRYPOINT = "noop"
 PGQUEUER_APPLICATION_NAME = "fairq-bench-pgqueuer"
+SEEDER_APPLICATION_NAME = "fairq-bench-seed"
 
 Closer = Callable[[], Awaitable[None]]
 
@@ -145,9 +164,17 @@ def seed_tasks(engine: Engine, companies: list[str], count: int) -> None:
 def completed(engine: Engine) -> int:
     """How many tasks are completed."""
     with engine.connect() as conn:
+        return count_completed(conn)
+
+
+def count_completed(conn: Connection) -> int:
+    """How many tasks are completed, read on `conn` in a transaction rolled back."""
+    try:
         return int(
             conn.execute(text("SELECT count(*) FROM tasks WHERE status = 'completed'")).scalar_one()
         )
+    finally:
+        conn.rollback()
 
 
 class SnapshotHolder:
@@ -177,10 +204,12 @@ class SnapshotHolder:
             conn.close()
 
 
-def holder_gauge(engine: Engine) -> float:
-    """What the API's `oldest_xmin_holder_age_seconds` would say now."""
-    with engine.connect() as conn:
+def holder_gauge(conn: Connection) -> float:
+    """What the API's `oldest_xmin_holder_age_seconds` would say now (read, rolled back)."""
+    try:
         return queue_statistics.oldest_xmin_holder_age(conn)
+    finally:
+        conn.rollback()
 
 
 @dataclass(frozen=True)
@@ -200,6 +229,8 @@ class RunResult:
     claim_seconds: float = 0.0
     # With --hold-snapshot: the holder gauge at the end of the drain, while it was held.
     holder_gauge: float | None = None
+    # The server's counters over the drain (`DrainCounters`); None if it could not read them.
+    counters: DrainCounters | None = None
 
     @property
     def rate(self) -> float:
@@ -220,6 +251,16 @@ class RunResult:
     def mean_claim_ms(self) -> float:
         """Mean duration of one claim transaction (lock wait included), in milliseconds."""
         return 1000 * self.claim_seconds / self.claims if self.claims else 0.0
+
+    @property
+    def wal_per_task(self) -> float | None:
+        """WAL bytes written per task over the drain (the whole cluster's)."""
+        return None if self.counters is None else self.counters.wal_bytes / self.tasks
+
+    @property
+    def commits_per_task(self) -> float | None:
+        """Transactions committed in the benchmark's database per task."""
+        return None if self.counters is None else self.counters.commits / self.tasks
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -261,6 +302,12 @@ def backends_cpu_before(pids: Sequence[int]) -> dict[int, float]:
 def backend_pids(engine: Engine, application_name: str) -> list[int]:
     """The server processes of this database's connections with this application_name pattern."""
     with engine.connect() as conn:
+        return backend_pids_on(conn, application_name)
+
+
+def backend_pids_on(conn: Connection, application_name: str) -> list[int]:
+    """`backend_pids`, read on `conn` in a transaction rolled back."""
+    try:
         return list(
             conn.execute(
                 text(
@@ -270,10 +317,119 @@ def backend_pids(engine: Engine, application_name: str) -> list[int]:
                 {"name": application_name},
             ).scalars()
         )
+    finally:
+        conn.rollback()
 
 
 def _delta(after: float | None, before: float | None) -> float | None:
     return None if after is None or before is None else after - before
+
+
+# -- WAL and commits -----------------------------------------------------------------------
+
+# The cluster's WAL position, this database's commits, the other databases' (a shared server
+# writes their WAL too) and the checkpoints so far. `{checkpoints}`: a query of the server's
+# version (`pg_stat_checkpointer` replaced those columns of `pg_stat_bgwriter` in 17).
+_COUNTERS = """
+SELECT pg_current_wal_lsn()::text AS lsn,
+       (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()) AS commits,
+       (SELECT coalesce(sum(xact_commit), 0) FROM pg_stat_database
+        WHERE datname <> current_database()) AS other_commits,
+       ({checkpoints}) AS checkpoints
+"""
+_CHECKPOINTS_16 = "SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter"
+_CHECKPOINTS_17 = "SELECT num_timed + num_requested FROM pg_stat_checkpointer"
+
+
+@dataclass(frozen=True)
+class ServerCounters:
+    """The server's cumulative counters at one moment (`server_counters`)."""
+
+    lsn: str
+    commits: int
+    other_commits: int
+    checkpoints: int
+
+
+@dataclass(frozen=True)
+class DrainCounters:
+    """What the server counted over one drain (module docstring: what each one spans)."""
+
+    wal_bytes: int
+    commits: int
+    other_commits: int
+    checkpoints: int
+
+
+def server_counters(probe: Connection) -> ServerCounters:
+    """Read the WAL position, the commits (this database's, the others') and checkpoints.
+
+    On `probe`, the connection a run keeps open for its readings, in a transaction rolled
+    back: a new connection would count a commit of its own (a backend's start commits one),
+    and so would a read in autocommit.
+    """
+    try:
+        version = int(probe.execute(text("SHOW server_version_num")).scalar_one())
+        checkpoints = _CHECKPOINTS_17 if version >= 170000 else _CHECKPOINTS_16
+        row = probe.execute(text(_COUNTERS.format(checkpoints=checkpoints))).one()
+    finally:
+        probe.rollback()
+    return ServerCounters(row.lsn, int(row.commits), int(row.other_commits), int(row.checkpoints))
+
+
+def wal_bytes_since(probe: Connection, lsn: str) -> int:
+    """WAL bytes the cluster wrote since `lsn` (`pg_wal_lsn_diff`)."""
+    try:
+        return int(
+            probe.execute(
+                text("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), CAST(:lsn AS pg_lsn))"),
+                {"lsn": lsn},
+            ).scalar_one()
+        )
+    finally:
+        probe.rollback()
+
+
+def drain_counters(probe: Connection, before: ServerCounters, wal_bytes: int) -> DrainCounters:
+    """The counters since `before`, read now; `wal_bytes` was read at the drain's end."""
+    after = server_counters(probe)
+    return DrainCounters(
+        wal_bytes,
+        after.commits - before.commits,
+        after.other_commits - before.other_commits,
+        after.checkpoints - before.checkpoints,
+    )
+
+
+def wait_disconnected(probe: Connection, application_name: str, timeout: float = 30.0) -> None:
+    """Wait until no server process of this database has this application_name pattern.
+
+    A backend publishes its statistics (`xact_commit`) at its exit at the latest, before it
+    leaves `pg_stat_activity`; while it runs, at most once a second.
+    """
+    deadline = time.monotonic() + timeout
+    while backend_pids_on(probe, application_name):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"connections {application_name!r} still open after {timeout}s")
+        time.sleep(0.02)
+
+
+def seeder_for(url: str) -> Engine:
+    """An engine for what a run does before its drain, under an application_name of its own.
+
+    Its connections' commits (each connection's start counts one) must be counted before the
+    drain's: `wait_disconnected(probe, SEEDER_APPLICATION_NAME)` waits for them. No pool, so
+    nothing to dispose of.
+    """
+    return stack.script_engine(url, application_name=SEEDER_APPLICATION_NAME)
+
+
+def checkpoint(seeder: Engine, args: argparse.Namespace) -> None:
+    """CHECKPOINT, unless `--no-checkpoint` (module docstring: why)."""
+    if args.no_checkpoint:
+        return
+    with seeder.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("CHECKPOINT"))
 
 
 def run_once(
@@ -299,39 +455,51 @@ def run_once(
         "LOG_FORMAT": args.log_format,
         "SHUTDOWN_TIMEOUT_SECONDS": "30",
     }
-    with stack.supervisor(url, workdir, concurrency=args.concurrency, env=env) as sup:
-        # A child has booted once its LISTEN connection is open (the last step of its boot).
-        deadline = time.monotonic() + 60
-        while len(backend_pids(engine, "fairq-worker-listen")) < args.concurrency:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"children did not boot:\n{sup.log()[-3000:]}")
-            time.sleep(0.05)
-        processes = [sup.pid, *sup.children()]
-        backends = backend_pids(engine, "fairq-worker%")
-        start = sup.metrics()
-        cpu, db_before = process_cpu(processes), backends_cpu_before(backends)
-        holder = None if hold_snapshot is None else SnapshotHolder(engine, hold_snapshot)
-        gauge = None
-        try:
-            seed_tasks(engine, companies_ids, args.tasks)
-            with engine.begin() as conn:  # as the API does: wake the idle children
-                conn.execute(text("SELECT pg_notify('fairq_tasks', '')"))
-            deadline = time.monotonic() + args.timeout
-            while completed(engine) < args.tasks:
-                if not sup.running():
-                    raise RuntimeError(f"supervisor exited:\n{sup.log()[-3000:]}")
+    seeder = seeder_for(url)
+    # Every reading while the children run goes through `probe` (see `server_counters`).
+    with engine.connect() as probe:
+        with stack.supervisor(url, workdir, concurrency=args.concurrency, env=env) as sup:
+            # A child has booted once its LISTEN connection is open (the last step of its boot).
+            deadline = time.monotonic() + 60
+            while len(backend_pids_on(probe, "fairq-worker-listen")) < args.concurrency:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"not drained after {args.timeout}s")
+                    raise RuntimeError(f"children did not boot:\n{sup.log()[-3000:]}")
                 time.sleep(0.05)
-            if holder is not None:
-                gauge = holder_gauge(engine)
-        finally:
-            if holder is not None:
-                holder.close()
-        # The children's connections as they are now: a pass may have opened another.
-        cpu = _delta(process_cpu(processes), cpu)
-        db_cpu = backends_cpu(backend_pids(engine, "fairq-worker%"), db_before)
-        end = sup.metrics()
+            checkpoint(seeder, args)
+            processes = [sup.pid, *sup.children()]
+            backends = backend_pids_on(probe, "fairq-worker%")
+            start = sup.metrics()
+            cpu, db_before = process_cpu(processes), backends_cpu_before(backends)
+            holder = None if hold_snapshot is None else SnapshotHolder(engine, hold_snapshot)
+            gauge = None
+            try:
+                seed_tasks(seeder, companies_ids, args.tasks)
+                wait_disconnected(probe, SEEDER_APPLICATION_NAME)
+                counters = server_counters(probe)
+                # As the API does: wake the idle children (one commit of the drain's count).
+                probe.execute(text("SELECT pg_notify('fairq_tasks', '')"))
+                probe.commit()
+                deadline = time.monotonic() + args.timeout
+                while count_completed(probe) < args.tasks:
+                    if not sup.running():
+                        raise RuntimeError(f"supervisor exited:\n{sup.log()[-3000:]}")
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"not drained after {args.timeout}s")
+                    time.sleep(0.05)
+                wal_bytes = wal_bytes_since(probe, counters.lsn)
+                if holder is not None:
+                    gauge = holder_gauge(probe)
+            finally:
+                if holder is not None:
+                    holder.close()
+            # The children's connections as they are now: a pass may have opened another.
+            cpu = _delta(process_cpu(processes), cpu)
+            db_cpu = backends_cpu(backend_pids_on(probe, "fairq-worker%"), db_before)
+            end = sup.metrics()
+        # The supervisor has stopped; once its children's connections are gone, all their
+        # commits are counted.
+        wait_disconnected(probe, "fairq-worker%")
+        drained = drain_counters(probe, counters, wal_bytes)
     if cpu is None:
         raise RuntimeError("a worker process exited while draining")
     with engine.connect() as conn:
@@ -350,6 +518,7 @@ def run_once(
         grew("claim_duration_seconds_count"),
         grew("claim_duration_seconds_sum"),
         gauge,
+        drained,
     )
 
 
@@ -467,12 +636,18 @@ def pgqueuer_worker(url: str, driver: str, batch_size: int) -> int:
     return 0
 
 
+def seed_pgqueuer(url: str, args: argparse.Namespace) -> None:
+    """CHECKPOINT (unless `--no-checkpoint`), then empty pgqueuer's tables and enqueue."""
+    checkpoint(seeder_for(url), args)
+    asyncio.run(_pgqueuer_seed(libpq_url(url), args.pgqueuer_driver, args.tasks))
+
+
 def run_pgqueuer_once(
     engine: Engine, url: str, args: argparse.Namespace, workdir: Path
 ) -> RunResult:
     """Enqueue, drain with `--concurrency` pgqueuer processes started together, measure."""
     dsn = libpq_url(url)
-    asyncio.run(_pgqueuer_seed(dsn, args.pgqueuer_driver, args.tasks))
+    seed_pgqueuer(url, args)
     workdir.mkdir(parents=True, exist_ok=True)
     argv = [
         sys.executable, "-m", "scripts.bench_throughput", "--pgqueuer-worker",
@@ -495,7 +670,12 @@ def run_pgqueuer_once(
             if proc.stdout.readline().strip() != line or time.monotonic() > deadline:
                 raise RuntimeError(f"pgqueuer worker did not say {line!r}: {_tail(workdir)}")
 
+    # Every reading while the workers run goes through `probe` (see `server_counters`).
+    probe = engine.connect()
     try:
+        # The seeding's commits (its connection's) are counted before the drain's.
+        wait_disconnected(probe, SEEDER_APPLICATION_NAME)
+        wait_disconnected(probe, PGQUEUER_APPLICATION_NAME)
         for index in range(args.concurrency):
             with (workdir / f"pgqueuer-{index}.log").open("w") as err:
                 proc = subprocess.Popen(
@@ -505,19 +685,25 @@ def run_pgqueuer_once(
                 procs.append(proc)
         hear_all("ready")
         processes = [proc.pid for proc in procs]
-        backends = backend_pids(engine, PGQUEUER_APPLICATION_NAME)
+        backends = backend_pids_on(probe, PGQUEUER_APPLICATION_NAME)
         cpu, db_before = process_cpu(processes), backends_cpu_before(backends)
+        counters = server_counters(probe)
         tell_all("go")
         hear_all("drained")
+        wal_bytes = wal_bytes_since(probe, counters.lsn)
         cpu = _delta(process_cpu(processes), cpu)
-        db_cpu = backends_cpu(backend_pids(engine, PGQUEUER_APPLICATION_NAME), db_before)
+        db_cpu = backends_cpu(backend_pids_on(probe, PGQUEUER_APPLICATION_NAME), db_before)
         tell_all("exit")
         for proc in procs:
             if proc.wait(30) != 0:
                 raise RuntimeError(
                     f"pgqueuer worker exited with {proc.returncode}: {_tail(workdir)}"
                 )
+        # Once the workers' connections are gone, all their commits are counted.
+        wait_disconnected(probe, PGQUEUER_APPLICATION_NAME)
+        drained = drain_counters(probe, counters, wal_bytes)
     finally:
+        probe.close()
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
@@ -527,7 +713,7 @@ def run_pgqueuer_once(
     done, seconds = asyncio.run(_pgqueuer_seconds(dsn, args.pgqueuer_driver))
     if done != args.tasks:
         raise RuntimeError(f"pgqueuer completed {done} of {args.tasks} jobs: {_tail(workdir)}")
-    return RunResult(args.tasks, seconds, cpu, db_cpu)
+    return RunResult(args.tasks, seconds, cpu, db_cpu, counters=drained)
 
 
 def _tail(workdir: Path) -> str:
@@ -549,7 +735,18 @@ def describe(result: RunResult) -> str:
         line += f"; {result.claims:.0f} claims, mean claim {result.mean_claim_ms:.1f} ms"
     if result.holder_gauge is not None:
         line += f"; holder gauge at the end {result.holder_gauge:.1f} s"
-    return line + ")"
+    line += ")"
+    counters = result.counters
+    if counters is not None:
+        line += (
+            f"; per task: WAL {counters.wal_bytes / result.tasks:,.0f} B, "
+            f"{counters.commits / result.tasks:.4f} commits"
+        )
+        if counters.checkpoints:
+            line += " (a checkpoint ran meanwhile: full-page images included)"
+        if counters.other_commits:
+            line += f" (other databases committed {counters.other_commits} meanwhile)"
+    return line
 
 
 def summarize(
@@ -611,6 +808,85 @@ def summarize(
             f"({median_cpu(results)}); x{rate / plain:.2f} of {plain:,.0f} tasks/s without "
             f"(mean claim {plain_claim_ms:.1f} ms)"
         )
+    return lines + per_task_costs(fairq, pgqueuer, args)
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def per_task_costs(
+    fairq: dict[int, list[RunResult]], pgqueuer: list[RunResult], args: argparse.Namespace
+) -> list[str]:
+    """Per completed task, medians: WAL, commits and CPU, fairq / pgqueuer, and the goals."""
+    columns: tuple[tuple[str, Callable[[RunResult], float | None], str], ...] = (
+        ("WAL bytes", lambda r: r.wal_per_task, "{:,.0f}"),
+        ("commits", lambda r: r.commits_per_task, "{:.4f}"),
+        ("CPU worker us", lambda r: r.cpu_us_per_task, "{:.1f}"),
+        ("CPU PostgreSQL us", lambda r: r.db_cpu_us_per_task, "{:.1f}"),
+    )
+
+    def medians(results: Sequence[RunResult]) -> list[float | None]:
+        return [_median(get(r) for r in results) for _, get, _ in columns]
+
+    def row(label: str, values: Sequence[float | None], formats: Sequence[str]) -> str:
+        cells = "".join(
+            f"{'-' if v is None else f.format(v):>{len(name) + 3}}"
+            for (name, _, _), v, f in zip(columns, values, formats, strict=True)
+        )
+        return f"  {label:<34}{cells}"
+
+    lines = [
+        "per completed task, medians:".ljust(36)
+        + "".join(f"{name:>{len(name) + 3}}" for name, _, _ in columns)
+    ]
+    reference = medians(pgqueuer) if pgqueuer else None
+    if reference is not None:
+        lines.append(
+            row(f"pgqueuer ({args.pgqueuer_driver})", reference, [f for _, _, f in columns])
+        )
+    goal = f"goals at batch {GOAL_BATCH}: WAL at most {GOAL_WAL_BYTES:,} B, {GOAL_COMMITS} commits"
+    for companies, results in fairq.items():
+        ours = medians(results)
+        lines.append(
+            row(
+                f"fairq, {companies} compan{'y' if companies == 1 else 'ies'}",
+                ours,
+                [f for _, _, f in columns],
+            )
+        )
+        if reference is not None:
+            ratios = [
+                None if a is None or not b else a / b for a, b in zip(ours, reference, strict=True)
+            ]
+            lines.append(row("  fairq / pgqueuer", ratios, ["x{:.2f}"] * len(columns)))
+        wal, commits = ours[0], ours[1]
+        if args.batch_size != GOAL_BATCH or wal is None or commits is None:
+            continue
+        verdicts = (
+            f"WAL {'met' if wal <= GOAL_WAL_BYTES else 'NOT met'}, "
+            f"commits {'met' if commits <= GOAL_COMMITS else 'NOT met'}"
+        )
+        lines.append(f"    {goal}: {verdicts}")
+    if args.batch_size != GOAL_BATCH:
+        lines.append(f"  ({goal}; this run is at batch {args.batch_size})")
+    runs = [r for results in fairq.values() for r in results] + list(pgqueuer)
+    counted = [r.counters for r in runs if r.counters is not None]
+    if args.database_url is None:
+        lines.append("  WAL: this benchmark's own embedded server, which nothing else writes to")
+    else:
+        others = sum(c.other_commits for c in counted)
+        lines.append(
+            "  WAL: the whole server's (--database-url): other databases' writes count too; "
+            f"they committed {others:,} transactions during these drains"
+        )
+    checkpoints = sum(1 for c in counted if c.checkpoints)
+    if checkpoints:
+        lines.append(
+            f"  {checkpoints} of {len(counted)} drains saw a checkpoint: their WAL includes "
+            "full-page images"
+        )
     return lines
 
 
@@ -640,6 +916,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--pgqueuer-driver", choices=("asyncpg", "psycopg"), default=default_pgqueuer_driver()
     )
     parser.add_argument("--pgqueuer-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--no-checkpoint", action="store_true",
+        help="no CHECKPOINT before each side seeds its tasks (a shared server's other users)",
+    )  # fmt: skip
     parser.add_argument(
         "--hold-snapshot", type=float, metavar="SECONDS",
         help="also run each fairq shape while a REPEATABLE READ snapshot is held for SECONDS "
