@@ -364,7 +364,12 @@ def empty_tables(url: str) -> None:
     try:
         with engine.begin() as conn:
             conn.execute(text("TRUNCATE tasks, company_queues, company_backlogs, companies"))
-            conn.execute(text("UPDATE claim_cursor SET ring_position = 0, credit = 0"))
+            conn.execute(
+                text(
+                    "SELECT setval('fairq_claim_cursor_position', 0), "
+                    "setval('fairq_claim_cursor_credit', 0)"
+                )
+            )
     finally:
         engine.dispose()
 

@@ -6,6 +6,7 @@ claim have their own module, `tests/test_fair_claim.py`.
 
 from __future__ import annotations
 
+import collections
 import json
 import multiprocessing
 import threading
@@ -182,12 +183,60 @@ def test_expire_leases_takes_back_at_most_limit_leases_oldest_first(
     assert [e.id for e in queue.expire_leases(db_session, stale_after=STALE)] == leases[2:]
 
 
-def test_claim_turns_jit_off_for_its_transaction(
+def test_claim_turns_jit_off_for_its_own_statements_only(
     db_session: Session, make_company: MakeCompany, make_task: MakeTask
 ) -> None:
+    """JIT compiles for longer than a claim runs: no statement of the claim is compiled.
+
+    The caller's transaction has JIT on for every statement (`jit_above_cost` 0). The
+    statements `fairq_claim` runs (the triggers it fires included) run under its SET
+    clauses: auto_explain finds jit off in their settings and none compiled. The call
+    itself is planned in the caller's transaction: compiled, where the server can JIT, which
+    shows the caller's setting was on throughout; and it is on after the claim.
+    """
     make_task(make_company().id)
-    queue.claim(db_session, worker_id="t", batch_size=1)
-    assert db_session.execute(text("SHOW jit")).scalar_one() == "off"
+    db_session.execute(text("SET LOCAL jit = on"))
+    db_session.execute(text("SET LOCAL jit_above_cost = 0"))
+
+    batch, statements = claim_plans.claim_statements(db_session, 1)
+
+    assert len(batch) == 1
+    *inside, call = statements
+    assert call.text.startswith("SELECT * FROM fairq_claim("), call.text
+    assert claim_plans.pick(inside, claim_plans.CLAIM)
+    for statement in inside:
+        assert statement.explained["Settings"].get("jit") == "off", statement.text
+        assert "JIT" not in statement.explained, statement.text
+    can_jit = db_session.execute(text("SELECT pg_jit_available()")).scalar_one()
+    assert ("JIT" in call.explained) is can_jit, call.explained
+    assert db_session.execute(text("SHOW jit")).scalar_one() == "on"
+
+
+def test_claim_leaves_the_callers_planner_settings_as_they_were(
+    db_session: Session, make_company: MakeCompany, make_task: MakeTask
+) -> None:
+    """The claim's settings are SET clauses of `fairq_claim`: they end with the call.
+
+    Before migration 0011 the claim set them for the rest of its caller's transaction. Here
+    the caller has each at another value than the claim's, and has it still after the claim.
+    """
+    make_task(make_company().id)
+    settings = claim_plans.claim_settings(db_session)
+    assert {"jit", "enable_seqscan", "enable_hashjoin", "plan_cache_mode"} <= set(settings)
+    others = {"on": "off", "off": "on", "force_generic_plan": "force_custom_plan"}
+    callers = {name: others[value] for name, value in settings.items()}
+    for name, value in callers.items():
+        db_session.execute(
+            text("SELECT set_config(:name, :value, true)"), {"name": name, "value": value}
+        )
+
+    assert len(queue.claim(db_session, worker_id="t", batch_size=1)) == 1
+
+    after = {
+        name: db_session.execute(text("SELECT current_setting(:name)"), {"name": name}).scalar_one()
+        for name in callers
+    }
+    assert after == callers
 
 
 # -- fairness ----------------------------------------------------------------------------
@@ -320,19 +369,19 @@ def test_a_retried_task_queues_behind_work_that_became_eligible_before_it(
 
 
 def _scans_of(plan: dict[str, Any], index: str) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
-    """The plan nodes that scan `index`, with their ancestors' node types."""
+    """The nodes of a plan (its top node) that scan `index`, with their ancestors' types."""
     return [
         (node, parents)
-        for node, parents in claim_plans.plan_nodes(plan["Plan"])
+        for node, parents in claim_plans.plan_nodes(plan)
         if node.get("Index Name") == index
     ]
 
 
-def _seq_scanned(plan: dict[str, Any]) -> set[str]:
-    """The relations a plan reads by sequential scan."""
+def _seq_scanned(statement: claim_plans.Statement) -> set[str]:
+    """The relations a statement reads by sequential scan."""
     return {
         node["Relation Name"]
-        for node, _ in claim_plans.plan_nodes(plan["Plan"])
+        for node, _ in claim_plans.plan_nodes(statement.plan)
         if node["Node Type"] == "Seq Scan"
     }
 
@@ -369,6 +418,7 @@ def _insert_leases(
 PENDING_INDEX = "ix_tasks_pending_company_run_after"
 PROCESSING_INDEX = "ix_tasks_processing_company_locked_at"
 RING_INDEX = "ix_company_queues_ring_position"
+CURSOR_SEQUENCES = {"fairq_claim_cursor_position", "fairq_claim_cursor_credit"}
 
 
 def test_claim_plan_reads_each_company_as_an_index_range_cut_at_its_share(
@@ -376,13 +426,15 @@ def test_claim_plan_reads_each_company_as_an_index_range_cut_at_its_share(
 ) -> None:
     """Each company's tasks are one LIMITed range scan of its pending index, locked lazily.
 
-    `_CLAIM` reads ix_tasks_pending_company_run_after with `run_after <= now()` as an index
-    condition; the scan feeds LockRows and the Limit of the company's share directly (no Sort
-    anywhere), so a company costs at most its share of index entries however many rows it
-    has. `_CONTENDERS` walks the ring's index in order from the cursor, and counts leases
-    (for a company with a limit) from the company's own range of the processing index. Like a
-    live queue, each company has more finished history than pending work, some delayed work
-    and some leases; statistics are fresh, so the planner has every chance to do otherwise.
+    The claim's statement reads ix_tasks_pending_company_run_after with `run_after <= now()`
+    as an index condition; the scan feeds LockRows and the Limit of the company's share
+    directly (no Sort anywhere), so a company costs at most its share of index entries
+    however many rows it has. The contenders' statement walks the ring's index in order from
+    the cursor, and both count leases (for a company with a limit) from the company's own
+    range of the processing index. Like a live queue, each company has more finished history
+    than pending work, some delayed work and some leases; statistics are fresh, so the
+    planner has every chance to do otherwise. The plans are those of the statements inside
+    `fairq_claim`, as auto_explain logs them.
     """
     for i in range(20):
         company = make_company(f"c{i}").id
@@ -396,9 +448,13 @@ def test_claim_plan_reads_each_company_as_an_index_range_cut_at_its_share(
         _insert_leases(db_session, company, 20, age_seconds=10)
     db_session.execute(text("UPDATE companies SET max_in_flight = 50 WHERE name LIKE 'c1%'"))
     db_session.execute(text("ANALYZE tasks, companies, company_queues"))
-    params = claim_plans.first_round_params(db_session, 100, "plan:1")
 
-    plan = claim_plans.explain(db_session, queue._CLAIM, params)
+    batch, statements = claim_plans.claim_statements(db_session, 100)
+
+    assert len(batch) == 100
+    # One round: every company had work for its share.
+    [claim_statement] = claim_plans.pick(statements, claim_plans.CLAIM)
+    plan = claim_statement.plan
     scans = _scans_of(plan, PENDING_INDEX)
     assert len(scans) == 1, json.dumps(plan, indent=1)
     [(node, parents)] = scans
@@ -411,23 +467,26 @@ def test_claim_plan_reads_each_company_as_an_index_range_cut_at_its_share(
     assert parents[-2:] == ("Limit", "LockRows"), parents
     # Nothing sorts the candidates (the top node sorts the claimed batch for handing out).
     assert "Sort" not in parents[1:], parents
-    assert _seq_scanned(plan) <= {"claim_cursor"}  # one row
+    # The claim's limited companies: their leases counted again, under their locks.
+    assert _scans_of(plan, PROCESSING_INDEX), json.dumps(plan, indent=1)
 
-    plan = claim_plans.explain(db_session, queue._CONTENDERS, claim_plans.contenders_params(100))
+    [contenders] = claim_plans.pick(statements, claim_plans.CONTENDERS)
+    plan = contenders.plan
     ring = _scans_of(plan, RING_INDEX)
     assert len(ring) == 2, json.dumps(plan, indent=1)  # the rest of the lap, the lap's start
     for node, parents in ring:
         assert node["Index Cond"].startswith("(ring_position "), node
         # Read in index order, as far as the LIMIT needs: nothing sorts the ring.
-        assert parents[0] == "Limit", parents
-        assert "Append" in parents, parents
+        assert "Limit" in parents, parents
+        assert parents.index("Limit") < parents.index("Append"), parents
         assert "Sort" not in parents, parents
-    assert _seq_scanned(plan) <= {"claim_cursor"}
-    leases = _scans_of(plan, PROCESSING_INDEX)
-    assert leases, json.dumps(plan, indent=1)
-    for node, parents in leases:
-        assert node["Index Cond"].startswith("(company_id = "), node
-        assert parents[-1] == "Limit", parents
+    assert _scans_of(plan, PROCESSING_INDEX), json.dumps(plan, indent=1)
+    for statement in (claim_statement, contenders):
+        for node, parents in _scans_of(statement.plan, PROCESSING_INDEX):
+            assert node["Index Cond"].startswith("(company_id = "), node
+            assert parents[-1] == "Limit", parents
+    # Read whole: the cursor's two sequences (a row each), and nothing else.
+    assert set().union(*map(_seq_scanned, statements)) <= CURSOR_SEQUENCES
 
 
 BACKLOG = 20_000
@@ -443,8 +502,8 @@ def test_claim_cost_does_not_grow_with_a_tenants_delayed_backlog(
     per company: bounds that do not mention the backlog. Reading a company's pending tasks in
     created_at order instead, filtering eligibility row by row (the claim before migration
     0002), reads the whole backlog, which shows the workload exercises what the bound is
-    about. Counts and pages, not timings: EXPLAIN (ANALYZE, BUFFERS) reports what each scan
-    node read.
+    about. Counts and pages, not timings: auto_explain's ANALYZE and BUFFERS report what
+    each scan node of the claim's statements read.
     """
     busy, *others = (make_company(f"c{i}").id for i in range(5))
     insert_delayed_tasks(db_session, busy, BACKLOG)
@@ -452,10 +511,13 @@ def test_claim_cost_does_not_grow_with_a_tenants_delayed_backlog(
     for company in (busy, *others):
         insert_tasks(db_session, company, 30, newest_age_seconds=60)
     db_session.execute(text("ANALYZE tasks, companies, company_queues"))
-    params = claim_plans.first_round_params(db_session, 100, "plan:1")
-    assert sorted(params["shares"]) == [20] * 5
 
-    plan = claim_plans.explain(db_session, queue._CLAIM, params, analyze=True)
+    batch, statements = claim_plans.claim_statements(db_session, 100, analyze=True)
+
+    shares = collections.Counter(task.company_id for task in batch)
+    assert shares == dict.fromkeys((busy, *others), 20)
+    [claim_statement] = claim_plans.pick(statements, claim_plans.CLAIM)
+    plan = claim_statement.plan
     [(node, _)] = _scans_of(plan, PENDING_INDEX)
     loops = node["Actual Loops"]
     assert loops == 5, node  # once per company
@@ -465,13 +527,11 @@ def test_claim_cost_does_not_grow_with_a_tenants_delayed_backlog(
     # all-visible, so an index-only scan still visits the heap): far below the ~100 index
     # and ~300 heap pages the backlog and the leases occupy.
     assert _buffers(node) <= (4 + 20) * loops, node
-    assert plan["Plan"]["Actual Rows"] == 100  # every company got its share, the busy one too
-    contenders = claim_plans.explain(
-        db_session, queue._CONTENDERS, claim_plans.contenders_params(100), analyze=True
-    )
+    assert plan["Actual Rows"] == 100  # every company got its share, the busy one too
     counted = [
         node
-        for node, _ in claim_plans.plan_nodes(contenders["Plan"])
+        for statement in claim_plans.pick(statements, claim_plans.CONTENDERS)
+        for node, _ in claim_plans.plan_nodes(statement.plan)
         if node.get("Relation Name") == "tasks" and node["Actual Loops"] > 0
     ]
     assert not counted, "no company has a limit: no lease is counted"
@@ -540,40 +600,81 @@ def _wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def _thirty_companies_in_the_ring(sessions: Callable[[], Session]) -> list[uuid.UUID]:
+    """30 companies with 10 tasks each, all in the ring after a claim of one task each."""
+    with sessions() as setup:
+        companies = [insert_company(setup, f"c{i}").id for i in range(30)]
+        for company in companies:
+            insert_tasks(setup, company, 10)
+        assert len(claim(setup, worker_id="setup:1", batch_size=30)) == 30  # none short
+    return companies
+
+
+def _the_next_200_turns(batches: list[list[queue.ClaimedTask]]) -> None:
+    """Two full, disjoint batches that are together the ring's next 200 turns.
+
+    Weight 1 each, the cursor after the setup's lap: the 30 companies' next six laps and
+    the first 20 companies of the seventh, whichever claimer took which stretch.
+    """
+    assert [len(batch) for batch in batches] == [100, 100]
+    first, second = ({task.id for task in batch} for batch in batches)
+    assert not first & second
+    turns = collections.Counter(task.company_id for batch in batches for task in batch)
+    assert sorted(turns.values()) == [6] * 10 + [7] * 20, turns
+
+
+def test_a_claim_runs_to_the_end_while_another_claim_is_in_flight(fresh_engine: Engine) -> None:
+    """Claimers are not serialized (decision 0007): none waits for another's commit.
+
+    The first claim's transaction stays open, holding its rows and the claims' barrier
+    (shared). The second, with a lock timeout that turns a wait into an error, gets a full
+    batch of other tasks: the ring's next turns, since the first moved the cursor when it
+    took its stretch, not when it commits.
+    """
+    sessions = make_sessionmaker(fresh_engine)
+    _thirty_companies_in_the_ring(sessions)
+    with sessions() as first, sessions() as second:
+        in_flight = queue.claim(first, worker_id="first:1", batch_size=100)
+        second.execute(text("SET LOCAL lock_timeout = '2s'"))
+        batches = [in_flight, claim(second, worker_id="second:1")]
+        first.commit()
+    _the_next_200_turns(batches)
+
+
 @pytest.mark.slow
-def test_concurrent_claimers_are_serialized_and_get_full_batches(
+def test_concurrent_claimers_released_at_once_get_full_disjoint_batches(
     fresh_engine: Engine, fresh_db_url: str
 ) -> None:
     """Two claimers released at once both get full, disjoint batches (design §4 evidence).
 
-    Without the advisory lock they would compute the same candidates and SKIP LOCKED would
-    leave one of them mostly empty-handed.
+    Both wait behind the claims' barrier, which the test holds as a pause does, and start
+    together when it lets go. Each takes its stretch of the ring under the reservation and
+    claims it in parallel with the other: were they to read the ring from the same cursor,
+    they would contend for the same tasks and SKIP LOCKED would leave one of them mostly
+    empty-handed.
     """
     sessions = make_sessionmaker(fresh_engine)
-    with sessions() as setup:
-        for i in range(30):
-            insert_tasks(setup, insert_company(setup, f"c{i}").id, 10)
-    claimers = make_engine(fresh_db_url, application_name="serialized-claimer")
+    _thirty_companies_in_the_ring(sessions)
+    claimers = make_engine(fresh_db_url, application_name="parallel-claimer")
     results: list[list[queue.ClaimedTask]] = []
     try:
         with sessions() as holder:
             holder.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": queue.CLAIM_LOCK_KEY})
 
-            def run() -> None:
+            def run(worker_id: str) -> None:
                 with make_sessionmaker(claimers)() as session:
-                    results.append(claim(session, batch_size=100))
+                    results.append(claim(session, worker_id=worker_id, batch_size=100))
 
-            threads = [threading.Thread(target=run) for _ in range(2)]
+            threads = [threading.Thread(target=run, args=(f"t:{i}",)) for i in range(2)]
             for thread in threads:
                 thread.start()
-            _wait_until(lambda: _waiting_on_advisory_lock(fresh_engine, "serialized-claimer") == 2)
+            _wait_until(lambda: _waiting_on_advisory_lock(fresh_engine, "parallel-claimer") == 2)
             holder.rollback()
             for thread in threads:
                 thread.join(10)
     finally:
         claimers.dispose()
-    assert [len(r) for r in results] == [100, 100]
-    assert not {t.id for t in results[0]} & {t.id for t in results[1]}
+    _the_next_200_turns(results)
 
 
 # -- the stale-snapshot race (EvalPlanQual) ----------------------------------------------
@@ -595,46 +696,45 @@ CREATE TRIGGER test_claim_gate BEFORE UPDATE ON tasks
     FOR EACH ROW EXECUTE FUNCTION test_claim_gate();
 """
 
-# Our claim without the row locks on the candidates: it updates what its snapshot saw, and
-# the UPDATE's own recheck (`t.id = l.id`) still holds for a row changed since. What the test
-# must catch.
+# Our claim without the row locks on the candidates, as a function of the test's database:
+# it updates what its snapshot saw, and the UPDATE's own recheck (`t.id = l.id`) still holds
+# for a row changed since. What the test must catch.
 _ROW_LOCKS = "FOR UPDATE OF t SKIP LOCKED"
-_CLAIM = queue._CLAIM
-_NAIVE_CLAIM = _CLAIM.replace(_ROW_LOCKS, "")
+_NAIVE_CLAIM = "test_naive_claim"
+
+
+def _create_naive_claim(session: Session) -> None:
+    """Create `test_naive_claim`: `fairq_claim` as the database has it, less its row locks.
+
+    Only the candidates' `FOR UPDATE OF t SKIP LOCKED`; the other locks stay.
+    """
+    definition: str = session.execute(
+        text("SELECT pg_get_functiondef('fairq_claim'::regproc)")
+    ).scalar_one()
+    assert definition.count(_ROW_LOCKS) == 1, "the claim's row locks moved; update the test"
+    head = "FUNCTION public.fairq_claim("
+    assert definition.count(head) == 1, definition[:200]
+    naive = definition.replace(head, f"FUNCTION public.{_NAIVE_CLAIM}(").replace(_ROW_LOCKS, "")
+    driver_connection(session).execute(naive)  # no parameters: the text goes as it is
+    session.commit()
 
 
 def _interfere(kind: str, session: Session, task: uuid.UUID, company: uuid.UUID) -> None:
     """Commit a change to `task` that makes it ineligible, as another actor would."""
     session.execute(text("SET LOCAL lock_timeout = '3s'"))  # a lock means the gate failed
     if kind == "another claimer":
-        # Another claimer's statement without the serializing advisory lock (as a claimer
-        # that took no lock, or another deployment, would): it takes the task and commits.
-        taken = (
-            driver_connection(session)
-            .execute(
-                _CLAIM,  # the real one, also while the gated claimer runs the naive one
-                {
-                    "worker_id": "other:1",
-                    "company_ids": [company],
-                    "shares": [1],
-                    "turns": [0],
-                    "first_turns": [1],
-                    "weights": [1],
-                    "cursor_position": 0,
-                    "cursor_credit": 0,
-                },
-            )
-            .fetchall()
-        )
-        assert [row[0] for row in taken] == [task]
+        # Another claim, the real one, also while the gated claimer runs the naive one: its
+        # stretch of the ring is the company again, whose W the gated claim holds.
+        taken = queue.claim(session, worker_id="other:1", batch_size=1)
+        assert [t.id for t in taken] == [task]
     else:
         queue.cancel_task(session, company, task)
     session.commit()
 
 
 @contextmanager
-def _gated_claim(url: str, engine: Engine) -> Iterator[list[list[uuid.UUID]]]:
-    """Run a claim that pauses on its first row update; yield while it is paused."""
+def _gated_claim(url: str, engine: Engine, *, naive: bool) -> Iterator[list[list[uuid.UUID]]]:
+    """Run a claim (or the naive one) that pauses on its first row update; yield meanwhile."""
     result: list[list[uuid.UUID]] = []
     gated = make_engine(url, application_name=GATED_APP)
     with engine.connect() as gate:
@@ -643,7 +743,16 @@ def _gated_claim(url: str, engine: Engine) -> Iterator[list[list[uuid.UUID]]]:
 
         def run() -> None:
             with make_sessionmaker(gated)() as session:
-                result.append([t.id for t in claim(session)])
+                if naive:
+                    rows = driver_connection(session).execute(
+                        f"SELECT id FROM {_NAIVE_CLAIM}(%(worker_id)s, %(batch_size)s)",
+                        {"worker_id": "test:1", "batch_size": 100},
+                    )
+                    ids = [row[0] for row in rows]
+                    session.commit()
+                else:
+                    ids = [t.id for t in claim(session)]
+                result.append(ids)
 
         thread = threading.Thread(target=run)
         thread.start()
@@ -659,7 +768,7 @@ def _gated_claim(url: str, engine: Engine) -> Iterator[list[list[uuid.UUID]]]:
 
 @pytest.mark.parametrize("interference", ["another claimer", "cancel"])
 def test_a_claim_whose_snapshot_predates_another_commit_never_takes_that_row(
-    fresh_engine: Engine, fresh_db_url: str, interference: str, monkeypatch: pytest.MonkeyPatch
+    fresh_engine: Engine, fresh_db_url: str, interference: str
 ) -> None:
     """Locking a candidate re-evaluates its quals on the newest version (EvalPlanQual).
 
@@ -670,29 +779,32 @@ def test_a_claim_whose_snapshot_predates_another_commit_never_takes_that_row(
     Meanwhile another actor changes X and commits (another claimer takes it, the API cancels
     it). When the gate opens, locking X finds a version newer than the snapshot; READ
     COMMITTED re-evaluates the locking query's quals (`status = 'pending'`) on it, which
-    rejects it. The second phase runs the same interleaving with the row locks removed from
-    the claim and shows that it does take X: the construction really exercises the race.
+    rejects it. The second phase runs the same interleaving with a copy of the claim without
+    the row locks (`test_naive_claim`) and shows that it does take X: the construction really
+    exercises the race.
     """
     sessions = make_sessionmaker(fresh_engine)
     with sessions() as setup:
         setup.execute(text(_GATE_TRIGGER))
         setup.commit()
+        _create_naive_claim(setup)
         company = insert_company(setup).id
-    assert _ROW_LOCKS in _CLAIM, "the claim's row locks moved; update the test"
 
     for naive, x_is_taken in ((False, False), (True, True)):
-        if naive:
-            monkeypatch.setattr(queue, "_CLAIM", _NAIVE_CLAIM)
         with sessions() as setup:
             setup.execute(text("TRUNCATE tasks"))
             setup.commit()
+            # The company in the ring, as it is when its work keeps coming: another claimer
+            # reads it there, while the gated claim has not committed.
+            insert_task(setup, company)
+            assert len(claim(setup, worker_id="setup:1", batch_size=1)) == 1
             # W is the older eligible work, so the gated claim updates it first and pauses
             # before reaching X.
             two_hours_ago = text("now() - interval '2 hours'")
             w = insert_task(setup, company, created_at=two_hours_ago, run_after=two_hours_ago).id
             an_hour_ago = text("now() - interval '1 hour'")
             x = insert_task(setup, company, created_at=an_hour_ago, run_after=an_hour_ago).id
-        with _gated_claim(fresh_db_url, fresh_engine) as result, sessions() as other:
+        with _gated_claim(fresh_db_url, fresh_engine, naive=naive) as result, sessions() as other:
             _interfere(interference, other, x, company)
         assert result, "the gated claim did not finish"
         claimed_by_gated = result[0]

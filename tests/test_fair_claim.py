@@ -646,15 +646,16 @@ def test_settling_a_company_without_its_wake_up_lock_would_lose_a_task_being_ins
 ) -> None:
     """The control of the test above: the race is real, the lock is what wins it.
 
-    The same interleaving, but the company is settled by `_SETTLE` alone (no try-lock)
-    while the writer is open: it is marked out of work, the writer commits, and no claim
-    ever takes the task.
+    The same interleaving, but the company is settled by the claim's settle statement alone
+    (read from `fairq_claim`, without the try-lock before it) while the writer is open: it is
+    marked out of work, the writer commits, and no claim ever takes the task.
     """
     sessions = make_sessionmaker(fresh_engine)
     company, _ = _ready_with_nothing_pending(sessions)
     with sessions() as claimer, sessions() as writer:
         task, _ = queue.create_task(writer, company_id=company, type="noop", payload={})
-        driver_connection(claimer).execute(queue._SETTLE, {"company_ids": [company]})
+        settle = claim_plans.settle_statement(claimer)
+        driver_connection(claimer).execute(settle, {"company_ids": [company]})
         claimer.commit()
         writer.commit()
 
@@ -840,7 +841,10 @@ def test_one_statement_inserting_tasks_for_5000_companies_takes_at_most_64_wake_
 def test_the_claim_reads_about_a_batch_of_the_ring_with_2000_companies_ready(
     fresh_engine: Engine,
 ) -> None:
-    """EXPLAIN ANALYZE: the ring's index yields at most batch-size rows of 2,000 companies.
+    """The ring's index yields at most batch-size rows of 2,000 companies.
+
+    The contenders' statement inside `fairq_claim`, as auto_explain logs it with ANALYZE and
+    BUFFERS.
 
     On a database of its own: ring positions come from a sequence, so the shared database's
     ring index holds the dead entries of every rolled-back test ahead of this one's.
@@ -852,13 +856,14 @@ def test_the_claim_reads_about_a_batch_of_the_ring_with_2000_companies_ready(
         ready = db_session.execute(text("SELECT count(*) FROM company_queues WHERE ready"))
         assert ready.scalar_one() == 2000
 
-        plan = claim_plans.explain(
-            db_session, queue._CONTENDERS, claim_plans.contenders_params(100), analyze=True
-        )
+        batch, statements = claim_plans.claim_statements(db_session, 100, analyze=True)
 
+        assert len({task.company_id for task in batch}) == 100  # a turn each: 100 companies
+        [contenders] = claim_plans.pick(statements, claim_plans.CONTENDERS)
+        plan = contenders.plan
         ring = [
             node
-            for node, _ in claim_plans.plan_nodes(plan["Plan"])
+            for node, _ in claim_plans.plan_nodes(plan)
             if node.get("Index Name") == "ix_company_queues_ring_position"
         ]
         assert ring, json.dumps(plan, indent=1)
@@ -866,7 +871,9 @@ def test_the_claim_reads_about_a_batch_of_the_ring_with_2000_companies_ready(
         assert all(node.get("Rows Removed by Filter", 0) == 0 for node in ring)
         touched = sum(node["Shared Hit Blocks"] + node["Shared Read Blocks"] for node in ring)
         assert touched <= 10
-        assert plan["Plan"]["Actual Rows"] == 100
+        # The contenders the statement lists: the LIMIT under its aggregate.
+        [listed] = [node for node in plan["Plans"] if node["Node Type"] == "Limit"]
+        assert listed["Actual Rows"] == 100
         # What reading the whole ring would touch: its index and the rows of 2,000 companies.
         whole = db_session.execute(
             text(
@@ -929,11 +936,14 @@ def test_claim_plans_stay_index_scans_when_200000_rows_arrive_after_analyze(
 ) -> None:
     """Statistics say `tasks` is tiny; 200,000 rows arrived since. The plans do not care.
 
-    Every statement of the claim is pinned to nested loops over index scans (the planner
-    settings of `_SERIALIZE_CLAIMERS`): no sequential scan, hash or merge join over tasks,
-    and each scan of tasks is a per-company range (or a primary-key probe).
+    Every statement of the claim is pinned to nested loops over index scans (the SET clauses
+    of `fairq_claim`): no sequential scan, hash or merge join over tasks, and each scan of
+    tasks is a per-company range (or a primary-key probe). The plans are those auto_explain
+    logs for every statement the claim runs, its two rounds and its settle (a company with
+    less work than its share) among them.
     """
     companies = add_companies(db_session, 20, 5, "stats")
+    [short] = add_companies(db_session, 1, 1, "short")
     db_session.execute(
         text("UPDATE companies SET max_in_flight = 1000 WHERE id = ANY(:ids)"),
         {"ids": companies[::2]},
@@ -950,20 +960,17 @@ def test_claim_plans_stay_index_scans_when_200000_rows_arrive_after_analyze(
         {"ids": companies},
     )
     db_session.commit()
-    claim_params = claim_plans.first_round_params(db_session, 100, "plan:1")
-    assert claim_params["company_ids"]
 
-    plans = {
-        "contenders": claim_plans.explain(
-            db_session, queue._CONTENDERS, claim_plans.contenders_params(100), analyze=False
-        ),
-        "claim": claim_plans.explain(db_session, queue._CLAIM, claim_params, analyze=False),
-        "settle": claim_plans.explain(
-            db_session, queue._SETTLE, {"company_ids": companies}, analyze=False
-        ),
-    }
-    for name, plan in plans.items():
-        nodes = list(claim_plans.plan_nodes(plan["Plan"]))
+    batch, statements = claim_plans.claim_statements(db_session, 100)
+
+    assert len(batch) == 100
+    assert short in {task.company_id for task in batch}
+    assert len(claim_plans.pick(statements, claim_plans.CONTENDERS)) == 2
+    assert len(claim_plans.pick(statements, claim_plans.CLAIM)) == 2
+    assert len(claim_plans.pick(statements, claim_plans.SETTLE)) == 1
+    for statement in statements:
+        name = statement.text[:60]
+        nodes = list(claim_plans.plan_nodes(statement.plan))
         kinds = {node["Node Type"] for node, _ in nodes}
         assert not kinds & {"Hash Join", "Merge Join", "Bitmap Heap Scan"}, (name, kinds)
         for node, parents in nodes:
@@ -1010,7 +1017,7 @@ def test_the_wake_up_lock_of_the_triggers_is_the_one_the_claimer_tries(db_sessio
     """`WAKE_LOCK_NAMESPACE` and `WAKE_LOCK_BUCKETS` of db/queue.py match migration 0003.
 
     By the triggers' source, and by behaviour: inserting a task holds exactly the lock
-    `(namespace, hashtext(company_id) & (buckets - 1))` that `_TRY_WAKE_LOCKS` tries.
+    `(namespace, hashtext(company_id) & (buckets - 1))` that `fairq_claim` tries.
     """
     sources: dict[str, str] = dict(
         db_session.execute(
@@ -1025,6 +1032,11 @@ def test_the_wake_up_lock_of_the_triggers_is_the_one_the_claimer_tries(db_sessio
         assert f"pg_advisory_xact_lock_shared({queue.WAKE_LOCK_NAMESPACE}," in source
         assert f"::text) & {queue.WAKE_LOCK_BUCKETS - 1}" in source
         assert source.count("pg_advisory_xact_lock_shared(") == 1
+    claim_source = db_session.execute(
+        text("SELECT prosrc FROM pg_proc WHERE oid = 'fairq_claim'::regproc")
+    ).scalar_one()
+    assert f"pg_try_advisory_xact_lock({queue.WAKE_LOCK_NAMESPACE}, b.bucket)" in claim_source
+    assert f"hashtext(x::text) & {queue.WAKE_LOCK_BUCKETS - 1} AS bucket" in claim_source
 
     company = insert_company(db_session, "k").id
     before = db_session.execute(WAKE_LOCKS, {"namespace": queue.WAKE_LOCK_NAMESPACE})
@@ -1115,7 +1127,12 @@ def _check_backfill(url: str, ids: dict[str, uuid.UUID]) -> None:
             for name, company in ids.items():
                 state = queue_state(session, company)
                 assert (state.due_at, state.ready) == (expected[company], False), name
-            cursor = session.execute(text("SELECT ring_position, credit FROM claim_cursor"))
+            cursor = session.execute(
+                text(
+                    "SELECT p.last_value, k.last_value "
+                    "FROM fairq_claim_cursor_position p, fairq_claim_cursor_credit k"
+                )
+            )
             assert tuple(cursor.one()) == (0, 0)
 
             batch = claim_tasks(session)
@@ -1147,12 +1164,17 @@ def test_upgrading_a_live_0002_database_backfills_company_queues_and_the_claim_w
     engine = make_engine(db_at_0002, application_name="fairq-tests", poolclass=pool.NullPool)
     try:
         with engine.begin() as conn:
-            tables = set(
+            relations = set(
                 conn.execute(
-                    text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+                    text("SELECT relname FROM pg_class WHERE relnamespace = 'public'::regnamespace")
                 ).scalars()
             )
-            assert not tables & {"company_queues", "claim_cursor"}
+            assert not relations & {
+                "company_queues",
+                "claim_cursor",
+                "fairq_claim_cursor_position",
+                "fairq_claim_cursor_credit",
+            }
             # Put the claimed tasks back, as if the upgrade had never been tried.
             conn.execute(
                 text(

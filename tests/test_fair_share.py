@@ -218,8 +218,9 @@ def test_shares_fill_the_batch_within_every_headroom(
 def next_batch(contenders: Sequence[Contender], cursor: Cursor) -> tuple[list[Contender], int]:
     """The ring from `cursor` as the claim lists it, and the credit it passes on.
 
-    As `db.queue._contenders`: from the cursor's company when it has credit left, else from
-    the one after it, wrapping around; the credit only if that company comes first.
+    As `fairq_claim` reads it (db/sql/claim.sql): from the cursor's company when it has
+    credit left, else from the one after it, wrapping around; the credit only if that
+    company comes first.
     """
     start = cursor.ring_position + (0 if cursor.credit > 0 else 1)
     ordered = sorted(contenders, key=lambda c: (c.ring_position < start, c.ring_position))

@@ -23,15 +23,12 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import psycopg
 import pytest
 from sqlalchemy import Engine, pool, text
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from db import companies, errors, queue
-from db.engine import driver_connection, make_engine, make_sessionmaker
-from tests import claim_plans
+from db.engine import make_engine, make_sessionmaker
 from tests.factories import (
     MakeCompany,
     insert_companies_with_tasks,
@@ -426,16 +423,142 @@ def naked_pause(session: Session, company_id: uuid.UUID) -> None:
     session.execute(text("UPDATE companies SET paused = true WHERE id = :id"), {"id": company_id})
 
 
+# A claim runs as one call (`fairq_claim`, db/sql/claim.sql); a test stops it at a known point
+# by holding, from another session, a lock the claim waits for there:
+# - the reservation (a session-level lock, "fairqrs" in ASCII): the claim holds the claims'
+#   barrier (shared) and has read nothing yet;
+# - the limit lock of a company with a `max_in_flight` in its batch, `(namespace,
+#   hashtext(company_id) & 63)` ("fqlm"): the claim has read the ring, promoted the companies
+#   that came due and moved the cursor, and claimed no task yet.
+# `test_the_locks_that_stop_a_claim_are_the_ones_fairq_claim_takes` checks these numbers.
+RESERVATION_LOCK_KEY = 0x66_61_69_72_71_72_73
+LIMIT_LOCK_NAMESPACE = 0x66_71_6C_6D
+LIMIT_LOCK_BUCKETS = 64
+CLAIMER = "fairq-test-claimer"
+
+
+@dataclass(frozen=True)
+class AdvisoryLock:
+    """An advisory lock as pg_locks names it: a bigint key, or an (int, int) pair."""
+
+    classid: int
+    objid: int
+    objsubid: int
+
+    @classmethod
+    def reservation(cls) -> AdvisoryLock:
+        return cls(RESERVATION_LOCK_KEY >> 32, RESERVATION_LOCK_KEY & 0xFFFF_FFFF, 1)
+
+    @classmethod
+    def limit(cls, session: Session, company_id: uuid.UUID) -> AdvisoryLock:
+        bucket: int = session.execute(
+            text("SELECT hashtext(CAST(:c AS text)) & (CAST(:buckets AS int) - 1)"),
+            {"c": str(company_id), "buckets": LIMIT_LOCK_BUCKETS},
+        ).scalar_one()
+        return cls(LIMIT_LOCK_NAMESPACE, bucket, 2)
+
+    def arguments(self) -> str:
+        """The arguments of pg_advisory_lock that name this lock."""
+        if self.objsubid == 1:
+            return str((self.classid << 32) | self.objid)
+        return f"{self.classid}, {self.objid}"
+
+
+def claimer_waits_for(engine: Engine) -> AdvisoryLock | None:
+    """The advisory lock the claiming connection (`CLAIMER`) waits for, or None."""
+    with engine.connect() as conn:
+        row = conn.execute(
+            text(
+                "SELECT l.classid, l.objid, l.objsubid FROM pg_locks l "
+                "JOIN pg_stat_activity a ON a.pid = l.pid "
+                "WHERE a.application_name = :name AND l.locktype = 'advisory' AND NOT l.granted"
+            ),
+            {"name": CLAIMER},
+        ).one_or_none()
+    return None if row is None else AdvisoryLock(*(int(value) for value in row))
+
+
+# The wake-up locks a transaction holds exclusively: those a claim's settle got.
+_WAKE_LOCKS_HELD = text(
+    "SELECT objid FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'advisory' "
+    "AND classid = CAST(:namespace AS oid) AND objsubid = 2 AND mode = 'ExclusiveLock' "
+    "AND granted"
+)
+
+
+class Claiming(threading.Thread):
+    """A claim of `batch_size`, then commit, in a thread, on a connection named `CLAIMER`.
+
+    `batch`: what it claimed; `wake_locks`: the wake-up buckets its transaction held just
+    before the commit (the settle's try-locks that succeeded).
+    """
+
+    def __init__(self, url: str, batch_size: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.batch_size = url, batch_size
+        self.batch: list[queue.ClaimedTask] = []
+        self.wake_locks: set[int] = set()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        engine = make_engine(self.url, application_name=CLAIMER, poolclass=pool.NullPool)
+        try:
+            with make_sessionmaker(engine)() as session:
+                batch = queue.claim(session, worker_id="race:1", batch_size=self.batch_size)
+                namespace = {"namespace": queue.WAKE_LOCK_NAMESPACE}
+                self.wake_locks = set(session.execute(_WAKE_LOCKS_HELD, namespace).scalars())
+                session.commit()
+                self.batch = batch
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+        finally:
+            engine.dispose()
+
+    def finish(self, timeout: float = 10.0) -> None:
+        """Wait for the claim to commit; it must not have failed."""
+        self.join(timeout)
+        assert not self.is_alive(), "the claim never returned"
+        assert self.error is None, self.error
+
+
+@contextmanager
+def claim_stopped_at(
+    url: str, engine: Engine, lock: AdvisoryLock, batch_size: int
+) -> Iterator[Claiming]:
+    """Start a claim and stop it where it waits for `lock`, held here until the block ends.
+
+    Then the claim goes on and commits before this returns.
+    """
+    with engine.connect() as holder:
+        holder.execute(text(f"SELECT pg_advisory_lock({lock.arguments()})"))
+        holder.commit()
+        claiming = Claiming(url, batch_size)
+        claiming.start()
+        try:
+            assert wait_for(lambda: claimer_waits_for(engine), 5, "the claim to wait") == lock
+            yield claiming
+        finally:
+            holder.execute(text(f"SELECT pg_advisory_unlock({lock.arguments()})"))
+            holder.commit()
+    claiming.finish()
+
+
 def _two_companies_with_work(
     sessions: sessionmaker[Session], *, in_ring: bool
-) -> tuple[uuid.UUID, uuid.UUID]:
+) -> tuple[uuid.UUID, uuid.UUID, AdvisoryLock]:
+    """`paused` and `other`, six tasks each, and the lock that stops a claim of both after
+    it read the ring: `other`'s limit lock (a `max_in_flight` it never reaches)."""
     with sessions() as setup:
         paused, other = insert_company(setup, "paused").id, insert_company(setup, "other").id
         insert_tasks(setup, paused, 6)
         insert_tasks(setup, other, 6)
+        setup.execute(
+            text("UPDATE companies SET max_in_flight = 100 WHERE id = :id"), {"id": other}
+        )
+        setup.commit()
         if in_ring:
             assert len(claim(setup, 2)) == 2  # both promoted, one task each
-    return paused, other
+        return paused, other, AdvisoryLock.limit(setup, other)
 
 
 @pytest.mark.parametrize("in_ring", [True, False], ids=["in-the-ring", "promoted-by-that-claim"])
@@ -445,28 +568,25 @@ def test_a_pause_waits_for_the_claim_that_read_the_ring_before_it_and_no_later_c
     """The claim has read the ring (the company in it) and not yet claimed when the pause comes.
 
     The pause returns only after that claim committed: what it took was taken before the
-    pause; every claim after it passes the company over. The claim either holds the
-    claimers' lock (company already in the ring) or also the company's row (it promoted it
-    in this claim): the pause waits for it either way.
+    pause; every claim after it passes the company over. The claim either holds the claims'
+    barrier (company already in the ring) or also the company's row (it promoted it in this
+    claim): the pause waits for it either way. The claim is stopped between its reading of
+    the ring and its claiming by the limit lock of the other company in its batch.
     """
     sessions = make_sessionmaker(fresh_engine)
-    paused, other = _two_companies_with_work(sessions, in_ring=in_ring)
-    with sessions() as claimer:
-        before = claimed_so_far(claimer, paused)
-        claimer.commit()
-        params = claim_plans.first_round_params(claimer, 4, "race:1")
-        assert paused in params["company_ids"]
-
+    paused, other, stop = _two_companies_with_work(sessions, in_ring=in_ring)
+    with sessions() as reader:
+        before = claimed_so_far(reader, paused)
+    with claim_stopped_at(fresh_db_url, fresh_engine, stop, 4) as in_flight:
         pausing = start_pause(fresh_db_url, paused, companies.pause_company)
         waits = wait_for(lambda: pauser_waits_on(fresh_engine), 5, "the pause to wait")
         assert waits == ("advisory" if in_ring else "transactionid")
-        in_flight = driver_connection(claimer).execute(queue._CLAIM, params).fetchall()
-        claimer.commit()
-        pausing.finish()
-        assert pausing.error is None
+    pausing.finish()
+    assert pausing.error is None
 
-        taken_before = {row[0] for row in in_flight if row[1] == paused}
-        assert len(taken_before) == 2
+    taken_before = set(of(in_flight.batch, paused))
+    assert len(taken_before) == 2
+    with sessions() as claimer:
         later = claim(claimer)
         assert of(later, paused) == []
         assert {task.company_id for task in later} == {other}
@@ -479,20 +599,18 @@ def test_without_the_claimers_lock_a_pause_would_let_the_claim_in_flight_take_ta
 ) -> None:
     """The control of the test above: the race is real, the claimers' lock is what wins it."""
     sessions = make_sessionmaker(fresh_engine)
-    paused, _ = _two_companies_with_work(sessions, in_ring=True)
-    with sessions() as claimer:
-        params = claim_plans.first_round_params(claimer, 4, "race:1")
+    paused, _, stop = _two_companies_with_work(sessions, in_ring=True)
+    with claim_stopped_at(fresh_db_url, fresh_engine, stop, 4) as in_flight:
         pausing = start_pause(fresh_db_url, paused, naked_pause)
         pausing.finish()  # committed, nothing to wait for
+        assert pausing.error is None
         with sessions() as reader:
             before = claimed_so_far(reader, paused)
+            assert queue_row(reader, paused).paused
 
-        in_flight = driver_connection(claimer).execute(queue._CLAIM, params).fetchall()
-        claimer.commit()
-
-        after_the_pause = {row[0] for row in in_flight if row[1] == paused}
-        assert after_the_pause
-        assert not after_the_pause & before
+    after_the_pause = set(of(in_flight.batch, paused))
+    assert after_the_pause
+    assert not after_the_pause & before
 
 
 def _ready_and_short(sessions: sessionmaker[Session]) -> uuid.UUID:
@@ -505,6 +623,15 @@ def _ready_and_short(sessions: sessionmaker[Session]) -> uuid.UUID:
     return company
 
 
+def _wake_up_bucket(sessions: sessionmaker[Session], company_id: uuid.UUID) -> int:
+    with sessions() as session:
+        bucket: int = session.execute(
+            text("SELECT hashtext(CAST(:c AS text)) & (CAST(:buckets AS int) - 1)"),
+            {"c": str(company_id), "buckets": queue.WAKE_LOCK_BUCKETS},
+        ).scalar_one()
+    return bucket
+
+
 def test_a_claim_that_finds_the_pausing_company_short_leaves_it_to_the_pause(
     fresh_engine: Engine, fresh_db_url: str
 ) -> None:
@@ -512,34 +639,37 @@ def test_a_claim_that_finds_the_pausing_company_short_leaves_it_to_the_pause(
     that lock and would settle the company (write its row). The pause's wake-up lock (shared)
     makes the claim's try-lock fail, so it leaves the row alone: no deadlock, and the paused
     company is not settled back into the ring.
+
+    The claim is stopped at the reservation, holding the claims' barrier: the pause comes,
+    and the claim reads the ring as it was before it (the pause has not committed).
     """
     sessions = make_sessionmaker(fresh_engine)
     company = _ready_and_short(sessions)
-    with sessions() as claimer:
-        params = claim_plans.first_round_params(claimer, 10, "race:1")
-        assert company in params["company_ids"]
-        driver = driver_connection(claimer)
-        assert driver.execute(queue._CLAIM, params).fetchall() == []  # short
-
+    with claim_stopped_at(fresh_db_url, fresh_engine, AdvisoryLock.reservation(), 10) as claim_:
         pausing = start_pause(fresh_db_url, company, companies.pause_company)
         assert wait_for(lambda: pauser_waits_on(fresh_engine), 5, "the pause") == "advisory"
-        queue._settle(driver, [company])
-        claimer.commit()
-        pausing.finish()
+    pausing.finish()
 
-        assert pausing.error is None
+    assert pausing.error is None
+    assert claim_.batch == []  # short
+    assert _wake_up_bucket(sessions, company) not in claim_.wake_locks
+    with sessions() as claimer:
         row = queue_row(claimer, company)
         assert (row.paused, row.ready) == (True, False)
         insert_tasks(claimer, company, 1)
         assert claim(claimer) == []
 
 
-def test_without_the_wake_up_lock_that_claim_and_the_pause_would_deadlock(
+def test_without_the_wake_up_lock_that_claim_passes_over_the_row_the_pause_holds(
     fresh_engine: Engine, fresh_db_url: str
 ) -> None:
-    """The control of the test above: a pause taking only the claimers' lock after its UPDATE.
+    """The test above with a pause that takes only the claimers' lock after its UPDATE.
 
-    PostgreSQL finds the cycle after `deadlock_timeout` (1 s) and aborts one of the two.
+    Before migration 0011 the two deadlocked: the claim's settle waited for the row the
+    pause had written, the pause for the claimers' lock the claim held (PostgreSQL aborted
+    one after `deadlock_timeout`). The settle now locks its rows SKIP LOCKED: the claim gets
+    the company's wake-up lock (nobody holds it), passes over the row, and commits; then the
+    pause commits. Neither fails, and the paused company stays out of the ring.
     """
 
     def pause_without_wake_up_lock(session: Session, company_id: uuid.UUID) -> None:
@@ -548,28 +678,29 @@ def test_without_the_wake_up_lock_that_claim_and_the_pause_would_deadlock(
 
     sessions = make_sessionmaker(fresh_engine)
     company = _ready_and_short(sessions)
-    with sessions() as claimer:
-        params = claim_plans.first_round_params(claimer, 10, "race:1")
-        driver = driver_connection(claimer)
-        assert driver.execute(queue._CLAIM, params).fetchall() == []
-
+    with claim_stopped_at(fresh_db_url, fresh_engine, AdvisoryLock.reservation(), 10) as claim_:
         pausing = start_pause(fresh_db_url, company, pause_without_wake_up_lock)
         assert wait_for(lambda: pauser_waits_on(fresh_engine), 5, "the pause") == "advisory"
-        errors_seen: list[BaseException] = []
-        try:
-            queue._settle(driver, [company])
-            claimer.commit()
-        except psycopg.Error as exc:
-            errors_seen.append(exc)
-            claimer.rollback()
-        pausing.finish()
-        if pausing.error is not None:
-            errors_seen.append(pausing.error)
+    pausing.finish()
 
-    assert len(errors_seen) == 1, errors_seen
-    (error,) = errors_seen
-    cause = error.orig if isinstance(error, DBAPIError) else error
-    assert isinstance(cause, psycopg.errors.DeadlockDetected), error
+    assert pausing.error is None
+    assert claim_.batch == []  # short
+    # The settle was on for the company: only the row lock kept it off the row.
+    assert _wake_up_bucket(sessions, company) in claim_.wake_locks
+    with sessions() as session:
+        row = queue_row(session, company)
+        assert (row.paused, row.ready) == (True, False)
+
+
+def test_the_locks_that_stop_a_claim_are_the_ones_fairq_claim_takes(db_session: Session) -> None:
+    """The numbers above, and db/queue.py's claimers' lock, as db/sql/claim.sql spells them."""
+    source = db_session.execute(
+        text("SELECT prosrc FROM pg_proc WHERE oid = 'fairq_claim'::regproc")
+    ).scalar_one()
+    assert f"pg_advisory_xact_lock_shared({queue.CLAIM_LOCK_KEY})" in source
+    assert f"pg_advisory_lock({RESERVATION_LOCK_KEY})" in source
+    assert f"pg_advisory_xact_lock({LIMIT_LOCK_NAMESPACE}, b)" in source
+    assert f"::text) & {LIMIT_LOCK_BUCKETS - 1}" in source
 
 
 @dataclass
