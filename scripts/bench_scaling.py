@@ -321,6 +321,8 @@ def server_pids(conn: psycopg.Connection[TupleRow]) -> list[int]:
         stat = Path(f"/proc/{row[0]}/stat").read_text()
     except OSError:  # another machine's server
         return []
+    if "postgres" not in stat.split(")", 1)[0]:  # a local process that has its pid
+        return []
     postmaster = int(stat.rsplit(")", 1)[1].split()[1])
     return [postmaster, *stack.children_of(postmaster)]
 
