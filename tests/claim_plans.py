@@ -185,4 +185,7 @@ def settle_statement(session: Session) -> str:
     assert found, "the claim's settle moved; update the test"
     statement = found.group(0)
     assert statement.count("ANY(settled)") == 1, statement
-    return statement.replace("ANY(settled)", "ANY(CAST(%(company_ids)s AS uuid[]))")
+    assert statement.count("now_ts") == 1, statement
+    return statement.replace("ANY(settled)", "ANY(CAST(%(company_ids)s AS uuid[]))").replace(
+        "now_ts", "clock_timestamp()"
+    )

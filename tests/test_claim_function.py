@@ -444,3 +444,44 @@ def test_a_claim_cancelled_in_its_reservation_leaves_no_lock_behind(
             "WHERE pid = pg_backend_pid() AND locktype = 'advisory'"
         ).all()
     assert held == []
+
+
+def test_a_lease_starts_when_the_claim_takes_the_row_not_before_its_waits(
+    fresh_engine: Engine,
+) -> None:
+    """A claim that waited a second for a pause's lock starts its leases after the wait
+    (PL/pgSQL's statement_timestamp() is the caller's statement start, before it)."""
+    company = insert_company(fresh_engine)
+    insert_tasks(fresh_engine, company.id, 1)
+    with fresh_engine.connect() as holder:
+        holder.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": queue.CLAIM_LOCK_KEY})
+        claimed: list[queue.ClaimedTask] = []
+        thread = threading.Thread(
+            target=lambda: Claimers(fresh_engine, 1).run(
+                lambda _, session: claimed.extend(claim(session, 1))
+            )
+        )
+        thread.start()
+        threading.Event().wait(1.0)
+        released_at = holder.execute(text("SELECT clock_timestamp()")).scalar_one()
+        holder.rollback()
+        thread.join()
+    assert len(claimed) == 1
+    with fresh_engine.connect() as connection:
+        locked_at = connection.execute(
+            text("SELECT locked_at FROM tasks WHERE id = :id"), {"id": claimed[0].id}
+        ).scalar_one()
+    assert locked_at >= released_at
+
+
+def test_a_claim_outside_read_committed_is_refused(fresh_engine: Engine) -> None:
+    """Its lease counts under a limit's lock need a snapshot taken after the lock."""
+    company = insert_company(fresh_engine)
+    insert_tasks(fresh_engine, company.id, 1)
+    with fresh_engine.connect() as connection:
+        connection.execution_options(isolation_level="REPEATABLE READ")
+        with (
+            pytest.raises(Exception, match="runs under READ COMMITTED"),
+            Session(bind=connection) as session,
+        ):
+            queue.claim(session, worker_id="t", batch_size=1)

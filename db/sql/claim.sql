@@ -125,11 +125,20 @@ DECLARE
     got int[];
     r record;
     settled uuid[];
+    -- The clock, read after each wait: statement_timestamp() is the caller's statement's
+    -- start, before the waits for the locks above.
+    now_ts timestamptz;
     j int;
 BEGIN
     IF batch_size IS NULL OR batch_size < 1 THEN
         RAISE EXCEPTION 'batch_size must be at least 1, not %', batch_size
             USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        -- Each statement below must see what committed before its locks were granted.
+        RAISE EXCEPTION 'fairq_claim runs under READ COMMITTED, not %',
+            current_setting('transaction_isolation')
+            USING ERRCODE = 'invalid_transaction_state';
     END IF;
     PERFORM pg_advisory_xact_lock_shared(28817553143980908);
     WHILE claimed < batch_size LOOP
@@ -138,6 +147,7 @@ BEGIN
             -- The reservation: the only section claimers pass one at a time. An error here
             -- (a cancel included) must not leave the session's lock behind.
             PERFORM pg_advisory_lock(28817553143984755);
+            now_ts := clock_timestamp();
             SELECT p.last_value, k.last_value INTO at_position, at_credit
             FROM fairq_claim_cursor_position p, fairq_claim_cursor_credit k;
             WITH promoted AS (
@@ -151,7 +161,7 @@ BEGIN
                     FROM company_queues w
                     -- Paused companies stay out (ix_company_queues_waiting_unpaused_due_at).
                     WHERE NOT w.ready AND NOT w.paused AND w.due_at IS NOT NULL
-                      AND w.due_at <= statement_timestamp()
+                      AND w.due_at <= now_ts
                     ORDER BY w.due_at
                     LIMIT 1000
                     FOR UPDATE SKIP LOCKED
@@ -222,7 +232,11 @@ BEGIN
             END IF;
             PERFORM pg_advisory_unlock(28817553143984755);
         EXCEPTION WHEN OTHERS OR query_canceled THEN
-            PERFORM pg_advisory_unlock(28817553143984755);
+            -- Unless the error came while waiting for it (unlocking a lock not held warns).
+            PERFORM pg_advisory_unlock(28817553143984755)
+            FROM pg_locks l
+            WHERE l.pid = pg_backend_pid() AND l.locktype = 'advisory' AND l.granted
+              AND l.classid = 6709609 AND l.objid = 1920037491 AND l.objsubid = 1;
             RAISE;
         END;
         EXIT WHEN contenders.ids IS NULL;
@@ -246,6 +260,7 @@ BEGIN
             END IF;
         END IF;
         first_round := false;
+        now_ts := clock_timestamp();
 
         got := array_fill(0, ARRAY[cardinality(contenders.ids)]);
         FOR r IN
@@ -283,7 +298,7 @@ BEGIN
                     FROM tasks t
                     WHERE t.company_id = a.company_id
                       AND t.status = 'pending'
-                      AND t.run_after <= statement_timestamp()
+                      AND t.run_after <= now_ts
                     ORDER BY t.run_after, t.id
                     LIMIT a.n
                     FOR UPDATE OF t SKIP LOCKED
@@ -295,11 +310,10 @@ BEGIN
                     attempts = t.attempts + 1,            -- crashes count too (poison pills)
                     lease_token = gen_random_uuid(),      -- the fencing token of this attempt
                     locked_by = worker_id,
-                    -- The statement's time, not the transaction's: a lease must not start
-                    -- shortened by the waits above.
-                    locked_at = statement_timestamp(),    -- lease start; heartbeat refreshes
-                    started_at = coalesce(t.started_at, statement_timestamp()),
-                    updated_at = statement_timestamp()
+                    -- After the waits above: a lease must not start shortened by them.
+                    locked_at = now_ts,                   -- lease start; heartbeat refreshes
+                    started_at = coalesce(t.started_at, now_ts),
+                    updated_at = now_ts
                 FROM locked l
                 WHERE t.id = l.id
                 RETURNING t.id, t.company_id, t.type, t.payload, t.attempts, t.max_attempts,
@@ -353,13 +367,14 @@ BEGIN
             JOIN (SELECT DISTINCT hashtext(x::text) & 63 AS bucket FROM unnest(exhausted) x) b
               ON b.bucket = hashtext(e.company_id::text) & 63
             WHERE pg_try_advisory_xact_lock(1718712171, b.bucket));
+        now_ts := clock_timestamp();
         -- A new statement, so a snapshot taken after the locks: it sees every task committed
         -- by a writer that held one before us. A row another transaction holds (another
         -- claimer's settle, a pause) is skipped and left as it is.
         UPDATE company_queues q
         SET due_at = d.due_at,
             -- A company paused by plain SQL meanwhile stays out of the ring.
-            ready = coalesce(d.due_at <= statement_timestamp(), false) AND NOT q.paused
+            ready = coalesce(d.due_at <= now_ts, false) AND NOT q.paused
         FROM (SELECT w.company_id FROM company_queues w
               WHERE w.company_id = ANY(settled)
               FOR NO KEY UPDATE SKIP LOCKED) s
