@@ -1,9 +1,9 @@
 """The pass's way to the database: its sessions, and its writes, one thread at a time.
 
 Given an engine, a pass holds one of its connections from start to end and runs every
-single-statement write in autocommit; only the claim, several statements under one advisory
-lock, runs in a transaction (docs/decisions/0003). The pass and its lease keeper share that
-connection, so every statement goes through `PassDatabase.write`, which serializes them.
+write, each a single statement (the claim is one call of `fairq_claim`), in autocommit
+(docs/decisions/0003). The pass and its lease keeper share that connection, so every
+statement goes through `PassDatabase.write`, which serializes them.
 """
 
 from __future__ import annotations
@@ -48,28 +48,34 @@ class PassDatabase:
 
     def __init__(self, factory: Callable[[], Session], connection: Connection | None) -> None:
         self.session = factory
-        # The connection every session shares, when the pass holds one: single statements
-        # then run in autocommit, switched off for the claim's transaction.
+        # The connection every session shares, when the pass holds one: its writes then run
+        # in autocommit.
         self._connection = connection
         self._autocommit = False
         self._lock = threading.Lock()
 
     def write(
-        self, session: Session, statement: Callable[[], T], *, transaction: bool = False
+        self,
+        session: Session,
+        statement: Callable[[], T],
+        *,
+        retry: bool = True,
     ) -> T:
-        """Run `statement` in a transaction of its own on `session`, one thread at a time.
+        """Run the single statement `statement` sends, committed, one thread at a time.
 
-        On the pass's own connection, a single-statement write (not `transaction`) runs in
-        autocommit instead: the same atomicity, two round trips (BEGIN, COMMIT) fewer.
+        On the pass's own connection it runs in autocommit: the same atomicity as a
+        transaction, two round trips (BEGIN, COMMIT) fewer. There it is sent once more on a
+        new connection when the held one was lost, unless not `retry` (a statement whose
+        second run would not be harmless, as a claim's).
         """
         with self._lock:
             try:
-                self._set_autocommit(not transaction)
+                self._ensure_autocommit()
                 result = statement()
                 session.commit()
             except DBAPIError as exc:
                 session.rollback()
-                if transaction or self._connection is None or not db_engine.is_transient(exc):
+                if not retry or self._connection is None or not db_engine.is_transient(exc):
                     raise
                 # The held connection may have died while a handler ran (a restart, a
                 # failover, an idle timeout), and a held connection gets no pool ping. Once
@@ -77,7 +83,7 @@ class PassDatabase:
                 # changes nothing twice.
                 log.info("database connection lost (%s); writing once more", type(exc).__name__)
                 self._autocommit = False
-                self._set_autocommit(True)
+                self._ensure_autocommit()
                 result = statement()
                 session.commit()
             except BaseException:
@@ -85,11 +91,10 @@ class PassDatabase:
                 raise
         return result
 
-    def _set_autocommit(self, autocommit: bool) -> None:
-        # Only between transactions (`write` commits or rolls back every one), so switching
-        # is a client-side setting of the driver, no round trip.
-        if self._connection is None or self._autocommit == autocommit:
+    def _ensure_autocommit(self) -> None:
+        # Between transactions (`write` commits or rolls back every one), so switching is a
+        # client-side setting of the driver, no round trip.
+        if self._connection is None or self._autocommit:
             return
-        level = "AUTOCOMMIT" if autocommit else self._connection.default_isolation_level
-        self._connection.execution_options(isolation_level=level)
-        self._autocommit = autocommit
+        self._connection.execution_options(isolation_level="AUTOCOMMIT")
+        self._autocommit = True

@@ -43,6 +43,21 @@ OnUnstoppable = Callable[[timeouts.Unstoppable], None]
 _Batch = Iterator[tuple[queue.ClaimedTask, queue.Lease]]
 
 
+class _Hand:
+    """One thread running a pass's handlers: its timer and the task it holds, if any.
+
+    Written by its own thread only (`busy`) or by the lease keeper only (`given_up`), read
+    by the keeper: a single attribute store, no lock.
+    """
+
+    __slots__ = ("busy", "given_up", "timer")
+
+    def __init__(self, timer: timeouts.HandlerTimer) -> None:
+        self.timer = timer
+        self.busy = False  # holds a task whose handler started, or is about to
+        self.given_up = False  # its handler could not be stopped (`_give_up`)
+
+
 def run_pass(
     sessions: SessionSource,
     *,
@@ -178,17 +193,17 @@ class ProcessingPass:
         self.counter = ResultCounter()
         self.leases = HeldLeases()
         self.finalizer = Finalizer(db, self.leases, self.counter, observer)
-        # Guards the four below, which the runners and `_give_up` (the keeper's thread) share.
-        self._lock = threading.Lock()
-        # Held tasks whose handler has not started: released if the pass ends early.
+        # Held tasks whose handler has not started: released if the pass ends early. Shared
+        # by the runners, `_give_up` (the keeper's thread) and `_finish`: a task belongs to
+        # whoever pops it from here (`dict.pop` and `popitem` are atomic under the GIL). No
+        # lock per task: an uncontended one costs a few percent of a noop task.
         self._unstarted: dict[uuid.UUID, queue.ClaimedTask] = {}
         # Once set, no handler starts: the pass is stopping, failing or gave up on one.
         self._closed = False
-        # Handlers started and not finalized yet (those given up on included).
-        self._in_hand = 0
-        # One per runner, each made in the thread whose handlers it stops (`_run_tasks`);
-        # replaced whole, so the keeper reads it without the lock.
-        self._timers: tuple[timeouts.HandlerTimer, ...] = ()
+        # One per thread running handlers, added as each starts (`_run_tasks`); replaced
+        # whole under `_hands_lock`, so the keeper reads it without one.
+        self._hands: tuple[_Hand, ...] = ()
+        self._hands_lock = threading.Lock()
         self.on_unstoppable = on_unstoppable
         # Handlers given up on, their outcomes written; `on_unstoppable` is told of the first
         # once no other handler runs (then `_reported`).
@@ -214,9 +229,10 @@ class ProcessingPass:
     def stop_overdue_handler(self, session: Session) -> None:
         """Stop each handler running past its timeout; give up on one after the grace."""
         now = time.monotonic()
-        for timer in self._timers:
-            overdue = timer.check(now)
+        for hand in self._hands:
+            overdue = hand.timer.check(now)
             if overdue is not None:
+                hand.given_up = True
                 self._give_up(session, overdue)
         if self._stuck and not self._reported:
             self._report_stuck(session)
@@ -232,9 +248,7 @@ class ProcessingPass:
         """
         task = running.task
         ran = time.monotonic() - running.started
-        with self._lock:
-            self._closed = True
-            unstarted, self._unstarted = list(self._unstarted.values()), {}
+        unstarted = self._take_unstarted()
         try:
             fields = task_log.task_fields(
                 task, "task.unstoppable", ran, timeout_s=running.timeout,
@@ -260,8 +274,7 @@ class ProcessingPass:
             # Left for the pass's thread, should the handler return (completions stay
             # buffered); else the holder's leases are taken back by the supervisor (a child
             # that exits) or expire.
-            with self._lock:
-                self._unstarted.update((t.id, t) for t in unstarted)
+            self._unstarted.update((t.id, t) for t in unstarted)
             log.warning(
                 "could not write what the pass owes after giving up on task %s (%s); those "
                 "tasks go back to the queue when their leases are taken back",
@@ -280,9 +293,7 @@ class ProcessingPass:
         their timeouts: a worker child exits there, and tasks still running would be taken
         back and run again. The completions written first are theirs.
         """
-        with self._lock:
-            others = self._in_hand - len(self._stuck)
-        if others > 0:
+        if any(hand.busy and not hand.given_up for hand in self._hands):
             return
         self._reported = True
         first = self._stuck[0]
@@ -358,9 +369,7 @@ class ProcessingPass:
         No handler starts after it. On a database error what is still unwritten goes to
         `self.unwritten` (or, without one, is left to lease expiry) and the error propagates.
         """
-        with self._lock:
-            self._closed = True
-            unstarted, self._unstarted = list(self._unstarted.values()), {}
+        unstarted = self._take_unstarted()
         try:
             self.finalizer.flush_completions(session, force=True)
             self.finalizer.release(session, unstarted)
@@ -396,17 +405,15 @@ class ProcessingPass:
         # earlier.
         leased_at = time.monotonic()
         started = time.perf_counter()
-        # The claim commits right after its last statement, releasing its advisory lock
-        # (next claimer, go) before it decodes the batch; write's own commit is then empty.
+        # One statement in autocommit: one round trip, committed when it returns. Not
+        # written again on a lost connection: a claim that did commit would leave its batch
+        # to lease expiry and claim another.
         batch = self.db.write(
             session,
             lambda: queue.claim(
-                session,
-                worker_id=self.worker_id,
-                batch_size=self.settings.batch_size,
-                commit=session.commit,
+                session, worker_id=self.worker_id, batch_size=self.settings.batch_size
             ),
-            transaction=True,
+            retry=False,
         )
         seconds = time.perf_counter() - started
         self.observer.claim_seconds(seconds)
@@ -435,9 +442,8 @@ class ProcessingPass:
         never started. A task whose handler started and did not finish stays processing:
         lease expiry recovers it.
         """
-        with self._lock:
-            self._unstarted = {task.id: task for task in batch}
-            self._closed = False
+        self._unstarted = {task.id: task for task in batch}
+        self._closed = False
         tasks: _Batch = zip(batch, leases, strict=True)
         helpers = min(self.settings.threads, len(batch)) - 1
         if self.runners is not None:
@@ -460,60 +466,68 @@ class ProcessingPass:
     def _run_tasks(self, session: Session, tasks: _Batch) -> None:
         """Take the batch's next task and run it, until none is left or no task may start.
 
-        On the calling thread; `tasks` is shared with the pass's other runners, if any. An
-        error here (a database error, a handler's BaseException) closes the pass: the other
-        runners finish their handlers and start none.
+        On the calling thread; `tasks` is shared with the pass's other runners, if any (a
+        zip of lists: taking its next item runs no Python code, so it is atomic under the
+        GIL). An error here (a database error, a handler's BaseException) closes the pass:
+        the other runners finish their handlers and start none.
         """
-        # Made here, in the thread that runs the handlers: the thread it stops.
-        timer = timeouts.HandlerTimer()
-        with self._lock:
-            self._timers = (*self._timers, timer)
+        # Its timer made here, in the thread that runs the handlers: the thread it stops.
+        hand = _Hand(timeouts.HandlerTimer())
+        with self._hands_lock:
+            self._hands = (*self._hands, hand)
         try:
-            while (taken := self._next_task(tasks)) is not None:
-                task, lease = taken
+            for task, lease in tasks:
+                if self._closed or self.stop():
+                    return  # the task taken stays unstarted: `run` releases it
                 self._confirm_leases(session)
                 if self.leases.any_lost and self.leases.take_lost(task.id):
-                    with self._lock:
-                        self._unstarted.pop(task.id, None)
+                    self._unstarted.pop(task.id, None)
                     self.finalizer.lease_lost(task, "start")
                     continue
                 task_type = tasktypes.get(task.type)
                 if task_type is None:
                     self._fail_unknown_type(session, task)
                     continue
-                with self._lock:
-                    if self._closed:  # given up on another handler meanwhile
-                        return
-                    self._in_hand += 1
-                    # From here on the task may have side effects: never released.
-                    self._unstarted.pop(task.id, None)
+                # Busy before the task is ours: `_report_stuck`, which reads it after taking
+                # every unstarted task, then counts this one as running if it may be.
+                hand.busy = True
                 try:
-                    self._run_one(session, task, lease, task_type, timer)
+                    if self._unstarted.pop(task.id, None) is None:
+                        return  # handed back by `_give_up` meanwhile
+                    # From here on the task may have side effects: never released.
+                    self._run_one(session, task, lease, task_type, hand.timer)
                 finally:
-                    with self._lock:
-                        self._in_hand -= 1
+                    hand.busy = False
         except BaseException:
-            with self._lock:
-                self._closed = True
+            self._closed = True
             raise
 
-    def _next_task(self, tasks: _Batch) -> tuple[queue.ClaimedTask, queue.Lease] | None:
-        """The batch's next task, or None once it is done or no task may start."""
-        if self.stop():
-            return None
-        with self._lock:
-            return None if self._closed else next(tasks, None)
+    def _take_unstarted(self) -> list[queue.ClaimedTask]:
+        """Take every task not started yet, and let no task start from now on.
+
+        From any thread: a task popped here is never started by a runner, which pops it
+        before it starts it.
+        """
+        self._closed = True
+        taken: list[queue.ClaimedTask] = []
+        while True:
+            try:
+                taken.append(self._unstarted.popitem()[1])
+            except KeyError:
+                taken.reverse()  # popitem takes the last first: back in claim order
+                return taken
 
     def _fail_unknown_type(self, session: Session, task: queue.ClaimedTask) -> None:
         """Fail `task`, of a type no handler is registered for, unless handed back already."""
-        with self._lock:
-            if task.id not in self._unstarted:  # released meanwhile (`_give_up`)
-                return
-        # Still unstarted while the write may fail: then it is released, not stranded.
+        if self._unstarted.pop(task.id, None) is None:
+            return  # handed back by `_give_up` meanwhile
         failed = outcome.unknown_type(task.type, tasktypes.names())
-        self.finalizer.settle(session, task, failed, seconds=None)
-        with self._lock:
-            self._unstarted.pop(task.id, None)
+        try:
+            self.finalizer.settle(session, task, failed, seconds=None)
+        except BaseException:
+            # Still unstarted while the write may fail: then it is released, not stranded.
+            self._unstarted[task.id] = task
+            raise
 
     def _confirm_leases(self, session: Session) -> None:
         # The keeper refreshes leases in the background; if it has fallen behind (database
