@@ -472,7 +472,7 @@ class ProcessingPass:
         the other runners finish their handlers and start none.
         """
         # Its timer made here, in the thread that runs the handlers: the thread it stops.
-        hand = _Hand(timeouts.HandlerTimer())
+        hand = _Hand(timer := timeouts.HandlerTimer())
         with self._hands_lock:
             self._hands = (*self._hands, hand)
         try:
@@ -495,7 +495,7 @@ class ProcessingPass:
                     if self._unstarted.pop(task.id, None) is None:
                         return  # handed back by `_give_up` meanwhile
                     # From here on the task may have side effects: never released.
-                    self._run_one(session, task, lease, task_type, hand.timer)
+                    self._run_one(session, task, lease, task_type, timer)
                 finally:
                     hand.busy = False
         except BaseException:
