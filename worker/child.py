@@ -20,20 +20,22 @@ Forked by `worker.supervisor`. In order, a child:
    tasks) stays unwritten (`processing.UnwrittenOutcomes`): the next pass writes it before
    it claims, so those tasks neither wait out their leases nor run again. Every statement
    of the child's engine is bounded by `processing.WORKER_STATEMENT_TIMEOUT_MS`;
-4. stops when the stop flag is set (the pass finishes the task in hand and releases the rest
-   of its batch) or when its parent is gone (`os.getppid()` changed; looked at before a
-   task at most every `ORPHAN_POLL_SECONDS`, a system call saved on nearly every task, and
-   at least every `ORPHAN_CHECK_SECONDS` while waiting), makes one last attempt to write
-   what it still owes, then exits 0;
+4. stops when the stop flag is set (the pass starts no other task, finishes the ones in hand
+   and releases the rest of its batch) or when its parent is gone (`os.getppid()` changed;
+   looked at before a task at most every `ORPHAN_POLL_SECONDS`, a system call saved on
+   nearly every task, and at least every `ORPHAN_CHECK_SECONDS` while waiting), makes one
+   last attempt to write what it still owes, then exits 0;
 5. or exits `HANDLER_STUCK` from its lease keeper's thread when a handler could not be
    stopped at its task's timeout (`processing.timeouts`), once the pass has written the
-   task's retry and what else it owed, saying which task on its status pipe (`stuck: ...`):
-   the supervisor logs it, takes back whatever leases remain, and replaces the child.
+   task's retry and what else it owed and its other running handlers have returned, saying
+   which task on its status pipe (`stuck: ...`): the supervisor logs it, takes back
+   whatever leases remain, and replaces the child.
 
 Fewer round trips and less work per batch (`worker.processing`): each pass holds one
 connection of the child's engine; expired leases are swept every few seconds
 (`processing.SweepSchedule`), not before every claim; and one lease keeper thread
-(`processing.LeaseKeeper`) serves every pass.
+(`processing.LeaseKeeper`) serves every pass, as do its `WORKER_THREADS - 1` runner threads
+(`processing.Runners`), which run handlers beside the main thread.
 
 Every `MAINTENANCE_INTERVAL_SECONDS` a child also tries the retention step
 (`db.maintenance`); an advisory lock lets one runner at a time do it, across all hosts.
@@ -208,7 +210,8 @@ class Child:
         signal.pthread_sigmask(signal.SIG_SETMASK, self.inherited.signal_mask)
 
     def _on_stop_signal(self, signum: int, frame: FrameType | None) -> None:
-        # Only records: the pass checks the flag before each task, the wait wakes on the pipe.
+        # Only records: the pass checks the flag before each task (on every runner thread),
+        # the wait wakes on the pipe.
         self._stop.set()
 
     def _boot(self) -> str | None:
@@ -335,7 +338,8 @@ class Child:
     def should_stop(self) -> bool:
         """The stop flag the processing pass checks before each task: TERM or orphaned.
 
-        Called often (each task, each tick of a wait): it also marks the main thread's progress.
+        Called often (each task, each tick of a wait), from runner threads too: it also marks
+        the child's progress.
         """
         if self._alive is not None:
             self._alive.progress()
@@ -411,7 +415,7 @@ class Child:
     def _exit_unstoppable(self, stuck: processing.Unstoppable) -> NoReturn:
         """Exit: the pass gave up on a handler it could not stop, and wrote what it owed.
 
-        Called from the lease keeper's thread; the main thread is still in that handler,
+        Called from the lease keeper's thread; a thread of ours is still in that handler,
         blocked where no exception reaches it, and only the end of the process frees it.
         The supervisor reads why on the status pipe and replaces this child.
         """

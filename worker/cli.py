@@ -150,11 +150,12 @@ def run_once(settings: WorkerSettings) -> int:
     from worker import processing  # noqa: PLC0415
 
     # TERM or INT (a Job's deadline, `timeout`, Ctrl-C) stops the pass as in a child: the
-    # task in hand finishes, the rest is handed back instead of stranded in `processing`.
+    # tasks in hand finish, the rest is handed back instead of stranded in `processing`.
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda _signum, _frame: stop.set())
-    # The pass runs its handlers on this thread: a timeout may interrupt their blocking calls.
+    # The pass runs handlers on this thread (with --threads, on runner threads too): a
+    # timeout may interrupt this thread's blocking calls.
     processing.install_nudge()
     engine = db_engine.make_engine(
         settings.database_url,
@@ -184,7 +185,7 @@ def run_once(settings: WorkerSettings) -> int:
 
 
 def _exit_unstoppable(stuck: processing.Unstoppable) -> NoReturn:
-    """Exit `HANDLER_STUCK_EXIT`: the main thread is in a handler that no exception stops.
+    """Exit `HANDLER_STUCK_EXIT`: a thread of ours is in a handler that no exception stops.
 
     Called from the pass's lease keeper thread once the pass wrote what it owed.
     """

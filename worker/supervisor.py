@@ -354,7 +354,7 @@ class Supervisor:
         handler()
 
     def handle_term(self) -> None:
-        """Graceful stop: children finish their task in hand and release the rest."""
+        """Graceful stop: children finish their tasks in hand and release the rest."""
         self._stop = _StopRequest("SIGTERM", self.settings.shutdown_timeout)
 
     def handle_int(self) -> None:

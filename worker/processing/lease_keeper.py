@@ -3,7 +3,7 @@
 While a pass runs its batch, the keeper refreshes the leases it holds every heartbeat
 interval, so a long task is never taken over while its worker is alive, and writes the
 completions that are due, so they need not wait for the end of the pass. Each tick it also
-stops a handler running past its task's timeout (`timeouts`), from outside the handler's
+stops any handler running past its task's timeout (`timeouts`), from outside the handler's
 thread, which is busy with the handler.
 """
 
@@ -44,7 +44,7 @@ class KeptPass(Protocol):
         """Write the completions that have waited long enough."""
 
     def stop_overdue_handler(self, session: Session) -> None:
-        """Stop the handler running past its timeout; give up on it after the grace."""
+        """Stop each handler running past its timeout; give up on one after the grace."""
 
 
 class LeaseKeeper:

@@ -10,13 +10,16 @@ which wakes every few tens of milliseconds anyway, checks the timer:
    bytecodes, so a pure-Python handler stops at once. On a process's main thread (a worker
    child, `--once`) it also sends that thread `NUDGE_SIGNAL`, so that a blocking system call
    (a sleep, a read without a timeout, a lock) is interrupted and the interpreter gets to
-   raise the exception there too.
+   raise the exception there too. A pass running several handlers at once (`runners`) arms
+   one timer per thread; on a runner thread only the exception applies: CPython runs signal
+   handlers on the main thread only, and a system call interrupted elsewhere resumes.
 2. A handler still running `STOP_GRACE_SECONDS` later cannot be stopped: it is blocked in C
    code that goes on waiting whatever the signals (a native library's lock), or it caught
    the exception and carried on. The pass gives up on it (`ProcessingPass._give_up`): from
-   the keeper's thread it writes what it owes, the timed-out task's retry first. A worker
-   child then exits, to be replaced by its supervisor: a thread blocked in C cannot be freed
-   any other way.
+   the keeper's thread it writes what it owes, the timed-out task's retry first, and starts
+   no other task. Once the pass's other running handlers have returned, a worker child
+   exits, to be replaced by its supervisor: a thread blocked in C cannot be freed any other
+   way.
 
 C code that blocks holding the GIL stops the keeper's thread too, and with it the child's
 sign of life: the supervisor kills that child as hung (`WORKER_CHILD_TIMEOUT_SECONDS`,
