@@ -358,11 +358,20 @@ def timeout_worker(tmp_path: Path, fresh_db_url: str) -> Iterator[RunningSupervi
     As the `supervisor` fixture starts `python -m worker`: a stale window of a minute (no
     task comes back by expiry within the test), one child, batches of 10.
     """
+    with started_timeout_worker(tmp_path, fresh_db_url) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def started_timeout_worker(
+    tmp_path: Path, database_url: str, *flags: str
+) -> Iterator[RunningSupervisor]:
+    """`timeout_worker`'s supervisor, with these command-line flags added; killed after."""
     workdir = tmp_path / "supervisor"
     workdir.mkdir()
     environment = untraced_environment(
         {
-            "DATABASE_URL": fresh_db_url,
+            "DATABASE_URL": database_url,
             "PROMETHEUS_MULTIPROC_DIR": str(workdir / "prometheus"),
             **harness.FAST_ENV,
             "STALE_AFTER_SECONDS": "60",
@@ -371,12 +380,15 @@ def timeout_worker(tmp_path: Path, fresh_db_url: str) -> Iterator[RunningSupervi
     with (workdir / "stdout.log").open("wb") as out, (workdir / "stderr.log").open("wb") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.timeout_worker", "--metrics-port-file",
-             str(workdir / "metrics.port"), "--concurrency", "1", "--batch-size", "10"],
+             str(workdir / "metrics.port"), "--concurrency", "1", "--batch-size", "10",
+             *flags],
             cwd=harness.ROOT, env=environment, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     running = RunningSupervisor(proc, workdir)
-    yield running
-    running.kill_all()
+    try:
+        yield running
+    finally:
+        running.kill_all()
 
 
 @pytest.mark.slow

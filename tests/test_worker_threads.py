@@ -36,7 +36,7 @@ from tests import test_processing
 from tests.factories import insert_company, insert_tasks
 from tests.supervisor_harness import RunningSupervisor, StartSupervisor, wait_for
 from tests.test_processing import Recorder, Register, TopOfRange, rows, run_pass
-from tests.test_timeouts import set_timeout, spin, untraced_environment
+from tests.test_timeouts import set_timeout, spin, started_timeout_worker
 from worker import cli, processing
 from worker.environment import SettingsError
 from worker.errors import HandlerTimeout, PermanentTaskError
@@ -592,26 +592,8 @@ def threaded_timeout_worker(tmp_path: Path, fresh_db_url: str) -> Iterator[Runni
 
     As `tests/test_timeouts.py`'s `timeout_worker`, untraced for the same reason.
     """
-    workdir = tmp_path / "supervisor"
-    workdir.mkdir()
-    environment = untraced_environment(
-        {
-            "DATABASE_URL": fresh_db_url,
-            "PROMETHEUS_MULTIPROC_DIR": str(workdir / "prometheus"),
-            **harness.FAST_ENV,
-            "STALE_AFTER_SECONDS": "60",
-        }
-    )
-    with (workdir / "stdout.log").open("wb") as out, (workdir / "stderr.log").open("wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.timeout_worker", "--metrics-port-file",
-             str(workdir / "metrics.port"), "--concurrency", "1", "--batch-size", "10",
-             "--threads", "2"],
-            cwd=harness.ROOT, env=environment, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-    running = RunningSupervisor(proc, workdir)
-    yield running
-    running.kill_all()
+    with started_timeout_worker(tmp_path, fresh_db_url, "--threads", "2") as running:
+        yield running
 
 
 @pytest.mark.slow
