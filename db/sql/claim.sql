@@ -122,8 +122,7 @@ DECLARE
     contenders record;
     share record;
     limited int[];
-    got int[];
-    r record;
+    got bigint;
     settled uuid[];
     -- The clock, read after each wait: statement_timestamp() is the caller's statement's
     -- start, before the waits for the locks above.
@@ -262,13 +261,12 @@ BEGIN
         first_round := false;
         now_ts := clock_timestamp();
 
-        got := array_fill(0, ARRAY[cardinality(contenders.ids)]);
-        FOR r IN
+        RETURN QUERY
             WITH allotted AS (
                 -- Each company's share, its first turn's place in the batch and size, its
                 -- weight; for a company with a limit, clipped to what it may hold now: this
                 -- statement's snapshot comes after its lock, so no claim of it is in flight.
-                SELECT s.k, s.company_id, s.turn, s.first_turn, s.weight,
+                SELECT s.company_id, s.turn, s.first_turn, s.weight,
                        CASE WHEN s.max_in_flight IS NULL THEN s.n
                             WHEN NOT ((hashtext(s.company_id::text) & 63) = ANY(held)) THEN 0
                             ELSE greatest(0, least(s.n, s.max_in_flight - (
@@ -281,8 +279,7 @@ BEGIN
                        END AS n
                 FROM unnest(contenders.ids, share.tasks, share.turns, share.first_turns,
                             contenders.weights, contenders.limits)
-                     WITH ORDINALITY AS s(company_id, n, turn, first_turn, weight,
-                                          max_in_flight, k)
+                     AS s(company_id, n, turn, first_turn, weight, max_in_flight)
                 WHERE s.n > 0
             ),
             locked AS (
@@ -291,7 +288,7 @@ BEGIN
                 -- yet due are never read; id breaks ties. SKIP LOCKED: a row another
                 -- claimer or the API holds is passed over. READ COMMITTED re-checks the
                 -- quals on the newest version of a row changed after the snapshot.
-                SELECT x.id, x.run_after, a.k, a.company_id, a.turn, a.first_turn, a.weight
+                SELECT x.id, x.run_after, a.company_id, a.turn, a.first_turn, a.weight
                 FROM allotted a
                 CROSS JOIN LATERAL (
                     SELECT t.id, t.run_after
@@ -318,43 +315,38 @@ BEGIN
                 WHERE t.id = l.id
                 RETURNING t.id, t.company_id, t.type, t.payload, t.attempts, t.max_attempts,
                           t.lease_token, t.created_at, t.timeout_seconds,
-                          l.k, l.turn, l.first_turn, l.weight, l.run_after
+                          l.turn, l.first_turn, l.weight, l.run_after
             )
             -- In the order round robin serves them: by round (the first turn, then a
             -- weight's worth of tasks a round), then turn.
-            SELECT c.*
+            SELECT c.id, c.company_id, c.type, c.payload, c.attempts, c.max_attempts,
+                   c.lease_token, c.created_at, c.timeout_seconds
             FROM (SELECT c.*, row_number() OVER (PARTITION BY c.company_id
                                                  ORDER BY c.run_after, c.id) AS rank
                   FROM claimed c) c
             ORDER BY CASE WHEN c.rank <= c.first_turn THEN 0
                           ELSE 1 + (c.rank - c.first_turn - 1) / c.weight END,
-                     c.turn, c.run_after, c.id
-        LOOP
-            id := r.id;
-            company_id := r.company_id;
-            type := r.type;
-            payload := r.payload;
-            attempts := r.attempts;
-            max_attempts := r.max_attempts;
-            lease_token := r.lease_token;
-            created_at := r.created_at;
-            timeout_seconds := r.timeout_seconds;
-            RETURN NEXT;
-            got[r.k] := got[r.k] + 1;
-            claimed := claimed + 1;
-        END LOOP;
-
-        IF got = share.tasks THEN
+                     c.turn, c.run_after, c.id;
+        GET DIAGNOSTICS got = ROW_COUNT;
+        claimed := claimed + got;
+        IF got = (SELECT sum(x) FROM unnest(share.tasks) x) THEN
             -- Every share was met: the batch is full, or every allowed task is claimed.
             EXIT;
         END IF;
         -- Fewer than allotted: those companies had less runnable work than their share
-        -- (or were at their limit); the rest of the batch goes to the next companies.
-        FOR j IN 1 .. cardinality(got) LOOP
-            IF got[j] < share.tasks[j] THEN
-                exhausted := exhausted || contenders.ids[j];
-            END IF;
-        END LOOP;
+        -- (or were at their limit); the rest of the batch goes to the next companies. What
+        -- each got is read back from its leases of this round (this clock, this claimer).
+        exhausted := exhausted || ARRAY(
+            SELECT s.company_id
+            FROM unnest(contenders.ids, share.tasks) AS s(company_id, n)
+            WHERE s.n > (
+                SELECT count(*) FROM (
+                    SELECT 1 FROM tasks t
+                    WHERE t.company_id = s.company_id AND t.status = 'processing'
+                      AND t.locked_at = now_ts AND t.locked_by = worker_id
+                    -- The order of the company's own lease index: no plan reads others'.
+                    ORDER BY t.locked_at, t.id
+                    LIMIT s.n) got_leases));
     END LOOP;
 
     IF cardinality(exhausted) > 0 THEN
