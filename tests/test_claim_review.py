@@ -240,3 +240,21 @@ def test_a_claim_over_a_ring_of_drained_companies_holds_the_reservation_briefly(
         f"one claim held the cluster's reservation for {longest:.1f} s at a stretch "
         f"(the claim took {took:.1f} s) walking 20,000 drained companies"
     )
+
+
+def test_a_claim_with_a_null_worker_id_is_refused_not_leased_to_no_one(
+    fresh_engine: Engine, fresh_db_url: str
+) -> None:
+    """`batch_size` is checked, `worker_id` is not: a NULL one leases tasks with `locked_by`
+    NULL, which `expire_leases_of` can never name, and since the shortfall of a round is read
+    back from the leases `locked_by = worker_id` (93b3c2c) every company of a short round
+    counts as exhausted: two companies with 1 and 10 tasks give 4 of a batch of 6."""
+    first, second = insert_company(fresh_engine), insert_company(fresh_engine)
+    insert_tasks(fresh_engine, first.id, 1)
+    insert_tasks(fresh_engine, second.id, 10)
+    with psycopg.connect(libpq(fresh_db_url), autocommit=True) as sql:
+        try:
+            claimed = sql.execute("SELECT * FROM fairq_claim(NULL, 6)").fetchall()
+        except psycopg.errors.InvalidParameterValue:
+            return
+    assert len(claimed) == 6, f"a NULL worker_id was accepted and got {len(claimed)} of 6"
