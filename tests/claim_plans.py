@@ -30,7 +30,7 @@ NO_AUTO_EXPLAIN = (
 )
 
 # The claim's statements, told apart by a piece of their text (db/sql/claim.sql).
-CONTENDERS = "WITH promoted AS"
+CONTENDERS = "WITH ring AS"
 CLAIM = "WITH allotted AS"
 SETTLE = "SET due_at = d.due_at"
 

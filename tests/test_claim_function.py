@@ -384,7 +384,7 @@ def test_a_claim_in_autocommit_is_one_round_trip_and_leaves_no_lock_behind(
     fresh_engine: Engine,
 ) -> None:
     """The statement is its own transaction: its batch is committed and every lock it took,
-    the reservation's session-level one included, is gone when it returns."""
+    the reservation's included, is gone when it returns."""
     company = insert_company(fresh_engine)
     insert_tasks(fresh_engine, company.id, 3)
     with fresh_engine.connect() as connection:
@@ -413,7 +413,7 @@ RESERVATION_LOCK = 28817553143984755  # "fairqrs", db/sql/claim.sql
 def test_a_claim_cancelled_in_its_reservation_leaves_no_lock_behind(
     fresh_engine: Engine, where: str
 ) -> None:
-    """A statement timeout while the claim waits for the reservation's session-level lock,
+    """A statement timeout while the claim waits for the reservation's lock,
     or while it holds it (here: waiting for a table lock inside), leaves no lock: the next
     claim, on that connection or another, goes through."""
     company = insert_company(fresh_engine)

@@ -698,7 +698,7 @@ def test_the_locks_that_stop_a_claim_are_the_ones_fairq_claim_takes(db_session: 
         text("SELECT prosrc FROM pg_proc WHERE oid = 'fairq_claim'::regproc")
     ).scalar_one()
     assert f"pg_advisory_xact_lock_shared({queue.CLAIM_LOCK_KEY})" in source
-    assert f"pg_advisory_lock({RESERVATION_LOCK_KEY})" in source
+    assert f"pg_advisory_xact_lock({RESERVATION_LOCK_KEY})" in source
     assert f"pg_advisory_xact_lock({LIMIT_LOCK_NAMESPACE}, b)" in source
     assert f"::text) & {LIMIT_LOCK_BUCKETS - 1}" in source
 

@@ -9,10 +9,11 @@
 --   1. pg_advisory_xact_lock_shared(claims)          held to commit; a pause takes it
 --      exclusively (db/companies.py `pause_company`), so it waits for the claims in flight
 --      and every later claim reads the ring after the pause.
---   2. pg_advisory_lock(reservation), session level  held only while the claimer reads the
---      ring from the cursor, shares its batch and moves the cursor; released before any
---      task is claimed. The cursor lives in two sequences, which are not transactional: the
---      next claimer sees it moved at once, without waiting for this claim's commit.
+--   2. pg_advisory_xact_lock(reservation), in a subtransaction that always ends rolled
+--      back, which releases it: held only while the claimer reads the ring from the cursor,
+--      shares its batch and moves the cursor, never while any task is claimed. The cursor
+--      lives in two sequences, which are not transactional: the next claimer sees it moved
+--      at once, without waiting for this claim's commit.
 --   3. pg_advisory_xact_lock(limits, bucket)         only for companies with a max_in_flight,
 --      held to commit: their count of leases and their claim cannot interleave with another
 --      claimer's. Waited for in the first round, in bucket order; later rounds only try.
@@ -124,14 +125,18 @@ DECLARE
     limited int[];
     got bigint;
     settled uuid[];
+    short uuid[];
     -- The clock, read after each wait: statement_timestamp() is the caller's statement's
     -- start, before the waits for the locks above.
     now_ts timestamptz;
-    j int;
 BEGIN
     IF batch_size IS NULL OR batch_size < 1 THEN
         RAISE EXCEPTION 'batch_size must be at least 1, not %', batch_size
             USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF worker_id IS NULL THEN
+        -- A lease must name its holder (expire_leases_of takes back a dead worker's).
+        RAISE EXCEPTION 'worker_id must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         -- Each statement below must see what committed before its locks were granted.
@@ -142,48 +147,43 @@ BEGIN
     PERFORM pg_advisory_xact_lock_shared(28817553143980908);
     WHILE claimed < batch_size LOOP
         wanted := batch_size - claimed;
+        now_ts := clock_timestamp();
+        -- Companies whose earliest task has come due (scheduled, backed off, or just
+        -- created) join the ring at its end, before this claim reads it. SKIP LOCKED: a row
+        -- a writer or another claimer holds is promoted by a later claim.
+        UPDATE company_queues q
+        SET ready = true, ring_position = nextval('company_ring_positions')
+        FROM (
+            SELECT w.company_id
+            FROM company_queues w
+            -- Paused companies stay out (ix_company_queues_waiting_unpaused_due_at).
+            WHERE NOT w.ready AND NOT w.paused AND w.due_at IS NOT NULL
+              AND w.due_at <= now_ts
+            ORDER BY w.due_at
+            LIMIT 1000
+            FOR UPDATE SKIP LOCKED
+        ) due
+        WHERE q.company_id = due.company_id;
         BEGIN
-            -- The reservation: the only section claimers pass one at a time. An error here
-            -- (a cancel included) must not leave the session's lock behind.
-            PERFORM pg_advisory_lock(28817553143984755);
-            now_ts := clock_timestamp();
+            -- The reservation: the only section claimers pass one at a time. Its lock is
+            -- taken in this block's subtransaction, which always ends rolled back (below):
+            -- that releases the lock, whatever ends the block, a cancel included, with no
+            -- statement left to run. Variables and the sequences keep what it set.
+            PERFORM pg_advisory_xact_lock(28817553143984755);
             SELECT p.last_value, k.last_value INTO at_position, at_credit
             FROM fairq_claim_cursor_position p, fairq_claim_cursor_credit k;
-            WITH promoted AS (
-                -- Companies whose earliest task has come due (scheduled, backed off, or just
-                -- created) join the ring at its end. SKIP LOCKED: a row a writer or another
-                -- claimer holds is promoted by a later claim.
-                UPDATE company_queues q
-                SET ready = true, ring_position = nextval('company_ring_positions')
-                FROM (
-                    SELECT w.company_id
-                    FROM company_queues w
-                    -- Paused companies stay out (ix_company_queues_waiting_unpaused_due_at).
-                    WHERE NOT w.ready AND NOT w.paused AND w.due_at IS NOT NULL
-                      AND w.due_at <= now_ts
-                    ORDER BY w.due_at
-                    LIMIT 1000
-                    FOR UPDATE SKIP LOCKED
-                ) due
-                WHERE q.company_id = due.company_id
-                RETURNING q.company_id, q.ring_position, q.weight, q.max_in_flight
-            ),
-            ring AS (
-                -- The ring from the cursor: the rest of this lap, the companies just
-                -- promoted (this statement's snapshot does not see its own UPDATE), then the
-                -- lap's start. Each part is an index range in order; the Append reads them
-                -- one after the other only as far as the LIMIT needs.
+            WITH ring AS (
+                -- The ring from the cursor: the rest of this lap (the companies just
+                -- promoted at its end), then the lap's start. Each part is an index range in
+                -- order; the Append reads them one after the other only as far as the LIMIT
+                -- needs.
                 (SELECT r.company_id, r.ring_position, 1 AS lap, r.weight, r.max_in_flight
                  FROM company_queues r
                  WHERE r.ready AND NOT r.paused
                    AND r.ring_position >= at_position + CASE WHEN at_credit > 0 THEN 0 ELSE 1 END
                  ORDER BY r.ring_position)
                 UNION ALL
-                (SELECT p.company_id, p.ring_position, 2 AS lap, p.weight, p.max_in_flight
-                 FROM promoted p
-                 ORDER BY p.ring_position)
-                UNION ALL
-                (SELECT r.company_id, r.ring_position, 3 AS lap, r.weight, r.max_in_flight
+                (SELECT r.company_id, r.ring_position, 2 AS lap, r.weight, r.max_in_flight
                  FROM company_queues r
                  WHERE r.ready AND NOT r.paused
                    AND r.ring_position < at_position + CASE WHEN at_credit > 0 THEN 0 ELSE 1 END
@@ -229,14 +229,9 @@ BEGIN
                 PERFORM setval('fairq_claim_cursor_position', share.cursor_position),
                         setval('fairq_claim_cursor_credit', share.cursor_credit);
             END IF;
-            PERFORM pg_advisory_unlock(28817553143984755);
-        EXCEPTION WHEN OTHERS OR query_canceled THEN
-            -- Unless the error came while waiting for it (unlocking a lock not held warns).
-            PERFORM pg_advisory_unlock(28817553143984755)
-            FROM pg_locks l
-            WHERE l.pid = pg_backend_pid() AND l.locktype = 'advisory' AND l.granted
-              AND l.classid = 6709609 AND l.objid = 1920037491 AND l.objsubid = 1;
-            RAISE;
+            RAISE SQLSTATE 'FQRSV';
+        EXCEPTION WHEN SQLSTATE 'FQRSV' THEN
+            NULL;  -- the reservation's end: its lock is released
         END;
         EXIT WHEN contenders.ids IS NULL;
 
@@ -329,24 +324,34 @@ BEGIN
                      c.turn, c.run_after, c.id;
         GET DIAGNOSTICS got = ROW_COUNT;
         claimed := claimed + got;
-        IF got = (SELECT sum(x) FROM unnest(share.tasks) x) THEN
-            -- Every share was met: the batch is full, or every allowed task is claimed.
-            EXIT;
+        IF got < (SELECT sum(x) FROM unnest(share.tasks) x) THEN
+            -- Fewer than allotted: those companies had less runnable work than their share
+            -- (or were at their limit); the rest of the batch goes to the next companies.
+            -- What each got is read back from its leases of this round: this clock and this
+            -- claimer (a worker id claims one batch at a time) name them.
+            short := ARRAY(
+                SELECT s.company_id
+                FROM unnest(contenders.ids, share.tasks) AS s(company_id, n)
+                WHERE s.n > (
+                    SELECT count(*) FROM (
+                        SELECT 1 FROM tasks t
+                        WHERE t.company_id = s.company_id AND t.status = 'processing'
+                          AND t.locked_at = now_ts AND t.locked_by = worker_id
+                        -- The order of the company's own lease index: no plan reads others'.
+                        ORDER BY t.locked_at, t.id
+                        LIMIT s.n) got_leases));
+            IF cardinality(short) = 0 THEN
+                -- Another claim of the same worker id in the same microsecond: no telling
+                -- who got what, so none of this round's companies is asked again.
+                short := ARRAY(SELECT s.company_id
+                               FROM unnest(contenders.ids, share.tasks) AS s(company_id, n)
+                               WHERE s.n > 0);
+            END IF;
+            exhausted := exhausted || short;
         END IF;
-        -- Fewer than allotted: those companies had less runnable work than their share
-        -- (or were at their limit); the rest of the batch goes to the next companies. What
-        -- each got is read back from its leases of this round (this clock, this claimer).
-        exhausted := exhausted || ARRAY(
-            SELECT s.company_id
-            FROM unnest(contenders.ids, share.tasks) AS s(company_id, n)
-            WHERE s.n > (
-                SELECT count(*) FROM (
-                    SELECT 1 FROM tasks t
-                    WHERE t.company_id = s.company_id AND t.status = 'processing'
-                      AND t.locked_at = now_ts AND t.locked_by = worker_id
-                    -- The order of the company's own lease index: no plan reads others'.
-                    ORDER BY t.locked_at, t.id
-                    LIMIT s.n) got_leases));
+        -- Otherwise every share was met, and the batch is full or another round may fill
+        -- it (companies beyond this round's ring read, companies at their limit passed).
+        -- Each round claims a task or excludes a company: the loop ends.
     END LOOP;
 
     IF cardinality(exhausted) > 0 THEN

@@ -6,7 +6,7 @@
   wait for.
 - The claim cursor moves from the one-row table `claim_cursor` to two sequences,
   `fairq_claim_cursor_position` and `fairq_claim_cursor_credit`: a claimer moves the cursor
-  under a session-level advisory lock it releases before claiming any task, and a sequence's
+  under an advisory lock it releases before claiming any task, and a sequence's
   new value is seen by the next claimer at once, not at this claim's commit. The table's row
   is carried over.
 
