@@ -445,7 +445,7 @@ def test_the_claim_functions_of_a_migrated_database_are_those_of_db_sql_claim_sq
     written = dict(
         re.findall(r"CREATE FUNCTION (\w+)\(.*?AS \$\$(.*?)\$\$;", CLAIM_SQL.read_text(), re.S)
     )
-    assert set(written) == {"fairq_allocate", "fairq_claim"}
+    assert set(written) == {"fairq_allocate", "fairq_move_claim_cursor", "fairq_claim"}
     with migrated_engine.connect() as conn:
         loaded: dict[str, str] = dict(
             conn.execute(

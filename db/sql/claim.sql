@@ -88,6 +88,21 @@ BEGIN
 END
 $$;
 
+CREATE FUNCTION fairq_move_claim_cursor(ring_position bigint, credit int)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+-- With the owner's rights: setval needs UPDATE on a sequence, which a role with the usual
+-- rights of an application (DML on the tables, USAGE and SELECT on the sequences) lacks.
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+-- Move the claim cursor: the company whose turn stopped, and what is left of that turn.
+BEGIN
+    PERFORM setval('fairq_claim_cursor_position', ring_position),
+            setval('fairq_claim_cursor_credit', credit);
+END
+$$;
+
 CREATE FUNCTION fairq_claim(worker_id text, batch_size int)
 RETURNS TABLE (id uuid, company_id uuid, type text, payload jsonb, attempts int,
                max_attempts int, lease_token uuid, created_at timestamptz,
@@ -226,8 +241,7 @@ BEGIN
                 share := fairq_allocate(
                     contenders.positions, contenders.weights, contenders.headrooms, wanted,
                     CASE WHEN contenders.positions[1] = at_position THEN at_credit ELSE 0 END);
-                PERFORM setval('fairq_claim_cursor_position', share.cursor_position),
-                        setval('fairq_claim_cursor_credit', share.cursor_credit);
+                PERFORM fairq_move_claim_cursor(share.cursor_position, share.cursor_credit);
             END IF;
             RAISE SQLSTATE 'FQRSV';
         EXCEPTION WHEN SQLSTATE 'FQRSV' THEN

@@ -1,7 +1,8 @@
 """The claim runs inside PostgreSQL, and claimers run in parallel (decision 0007).
 
 - `fairq_claim(worker_id, batch_size)` and `fairq_allocate(...)`: the claim and its deficit
-  round robin as PL/pgSQL functions, loaded from `db/sql/claim.sql`; a worker sends one
+  round robin as PL/pgSQL functions, loaded from `db/sql/claim.sql` (with
+  `fairq_move_claim_cursor`, which sets the cursor with its owner's rights); a worker sends one
   statement and its commit. No client round trip is left inside a section other claimers
   wait for.
 - The claim cursor moves from the one-row table `claim_cursor` to two sequences,
@@ -53,6 +54,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.execute("DROP FUNCTION fairq_claim(text, int)")
+    op.execute("DROP FUNCTION fairq_move_claim_cursor(bigint, int)")
     op.execute("DROP FUNCTION fairq_allocate(bigint[], int[], int[], int, int)")
     op.create_table(
         "claim_cursor",
