@@ -184,3 +184,25 @@ AuthHeaders = Callable[[str], dict[str, str]]
 def bearer() -> AuthHeaders:
     """`bearer(key)` -> an Authorization header for that key."""
     return lambda key: {"Authorization": f"Bearer {key}"}
+
+
+# -- reports at the end of the run ------------------------------------------------------------
+
+# What tests record with `record_property("report", text)`, printed after the results (the
+# compose test says which images were stand-ins, and how long each step took). Under xdist
+# the reports reach the controlling process with each test's teardown report.
+_REPORTS: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Keep the reports a test recorded, once it is torn down."""
+    if report.when == "teardown":
+        _REPORTS.extend(str(value) for name, value in report.user_properties if name == "report")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print the reports the tests recorded."""
+    if _REPORTS:
+        terminalreporter.section("reports")
+        for text in _REPORTS:
+            terminalreporter.write_line(text)
