@@ -19,6 +19,7 @@ carries the label `fairq.stand-in` saying what it is, which the test prints.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -79,7 +80,7 @@ class Image:
     def describe(self) -> str:
         """One line for the test's report."""
         if not self.present:
-            return f"{self.name}: none (no image, and no stand-in can be made)"
+            return f"{self.name}: no image, and no stand-in can be made: not started"
         return f"{self.name}: {self.stand_in or 'the real image'}"
 
 
@@ -137,9 +138,7 @@ def survey(env: Mapping[str, str]) -> list[Image]:
     found = []
     for role, name in required_images().items():
         held = inspect(name, env)
-        found.append(
-            Image(role, name, held.stand_in if held else None, present=held is not None)
-        )
+        found.append(Image(role, name, held.stand_in if held else None, present=held is not None))
     return found
 
 
@@ -215,9 +214,11 @@ def _context(context: Path, roles: list[str]) -> Path:
     shutil.copytree(STAND_INS, context, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copyfile(_ca_bundle(), context / "build-ca.pem")
     if "postgres" in roles:
-        import pgserver  # the embedded extra, installed with the dev extra
-
-        package = Path(pgserver.__file__).resolve().parent
+        # Found, not imported: importing pgserver does work (and warns) at import time.
+        spec = importlib.util.find_spec("pgserver")  # the embedded extra, in the dev extra
+        if spec is None or not spec.submodule_search_locations:
+            raise ImageError("the pgserver wheel is not installed: pip install -e '.[dev]'")
+        package = Path(spec.submodule_search_locations[0]).resolve()
         target = context / "pgserver"
         for part in ("bin", "lib", "share"):
             shutil.copytree(

@@ -186,6 +186,18 @@ def bearer() -> AuthHeaders:
     return lambda key: {"Authorization": f"Bearer {key}"}
 
 
+# -- the order of the tests ------------------------------------------------------------------
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the tests marked `longest` first, the others in their order.
+
+    Each test process of xdist starts on its own share of this list: a test of minutes (the
+    compose test) at its head then runs beside the others instead of holding up the end.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("longest") is None)
+
+
 # -- reports at the end of the run ------------------------------------------------------------
 
 # What tests record with `record_property("report", text)`, printed after the results (the

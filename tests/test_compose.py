@@ -94,14 +94,15 @@ class _ComposeLoader(yaml.SafeLoader):
 
 
 _ComposeLoader.add_constructor(
-    "!reset", lambda loader, node: loader.construct_sequence(node)  # type: ignore[arg-type]
+    "!reset",
+    lambda loader, node: loader.construct_sequence(node),  # type: ignore[arg-type]
 )
 
 
 def load_compose(path: Path) -> dict[str, Any]:
     """A compose file, parsed (merge keys and anchors resolved, `!reset` read as its value)."""
     with path.open(encoding="utf-8") as f:
-        document: dict[str, Any] = yaml.load(f, Loader=_ComposeLoader)  # noqa: S506
+        document: dict[str, Any] = yaml.load(f, Loader=_ComposeLoader)
     return document
 
 
@@ -209,6 +210,8 @@ class Compose:
     env: dict[str, str]
     workdir: Path
     log: Path = field(init=False)
+    # How long `docker compose build` of the project's image took.
+    build_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         self.log = self.workdir / "compose.log"
@@ -369,7 +372,9 @@ def compose(
                 probe.bind(address)
             except OSError as exc:
                 pytest.fail(f"{address[0]}:{address[1]} ({what} of the stack) is taken: {exc}")
+    started = time.monotonic()
     stack("build", timeout=900)
+    stack.build_seconds = time.monotonic() - started
     try:
         yield stack
     finally:
@@ -430,7 +435,11 @@ def completed(company: Company, ids: list[str]) -> bool:
     """True once every task of `ids` is completed; fails at once on one that failed."""
     tasks = company.tasks()
     statuses = {task_id: tasks[task_id]["status"] for task_id in ids}
-    failed = {task_id: tasks[task_id]["last_error"] for task_id in ids if statuses[task_id] in {"failed", "cancelled"}}  # fmt: skip
+    failed = {
+        task_id: tasks[task_id]["last_error"]
+        for task_id in ids
+        if statuses[task_id] in {"failed", "cancelled"}
+    }
     assert not failed, failed
     return set(statuses.values()) == {"completed"}
 
@@ -486,11 +495,13 @@ class Steps:
         return "\n".join([*lines, f"steps in all: {total:.0f}s"])
 
 
+@pytest.mark.longest
 def test_docker_compose_up_runs_tasks_and_survives_stops_restarts_down_and_profiles(
     images: Images, compose: Compose, record_property: Callable[[str, object], None]
 ) -> None:
     record_property("report", f"docker compose test: images\n{images.report()}")
     steps = Steps()
+    steps.timings["build fairq:local from deploy/Dockerfile"] = compose.build_seconds
     try:
         with Receiver() as receiver:
             _run_steps(compose, images, steps, receiver)
@@ -635,7 +646,8 @@ def _check_prometheus(compose: Compose) -> None:
 
     compose.wait(lambda: targets() == {"api": "up", "worker": "up"}, 90, "both targets up")
     with ALERTS_FILE.open(encoding="utf-8") as f:
-        expected = {rule["alert"] for group in yaml.safe_load(f)["groups"] for rule in group["rules"]}  # fmt: skip
+        groups = yaml.safe_load(f)["groups"]
+    expected = {rule["alert"] for group in groups for rule in group["rules"]}
     rules = requests.get(f"{PROMETHEUS}/api/v1/rules", timeout=10).json()["data"]["groups"]
     assert {rule["name"] for group in rules for rule in group["rules"]} == expected
     up = requests.get(f"{PROMETHEUS}/api/v1/query", params={"query": "up"}, timeout=10).json()

@@ -26,7 +26,7 @@ _lock = threading.Lock()
 
 def _address(value: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
-    return host or "0.0.0.0", int(port)  # noqa: S104  (Mailpit's own default)
+    return host or "0.0.0.0", int(port)
 
 
 def _summary(raw: bytes) -> dict[str, Any]:

@@ -45,14 +45,14 @@ def main() -> None:
     if user and password:
         secret = password
         if auth_type not in {"plain", "scram-sha-256"}:
-            secret = "md5" + hashlib.md5((password + user).encode()).hexdigest()  # noqa: S324
+            secret = "md5" + hashlib.md5((password + user).encode()).hexdigest()
         auth_file.write_text(f'"{user}" "{secret}"\n')
     lines = [
         "[databases]",
         f"{url.path.lstrip('/') or '*'} = host={url.hostname} port={url.port or 5432}"
         f" auth_user={user or 'postgres'}",
         "[pgbouncer]",
-        f"listen_addr = {env.get('LISTEN_ADDR', '0.0.0.0')}",  # noqa: S104  (the image's default)
+        f"listen_addr = {env.get('LISTEN_ADDR', '0.0.0.0')}",
         f"listen_port = {env.get('LISTEN_PORT', '5432')}",
         "unix_socket_dir =",
         "user = postgres",
