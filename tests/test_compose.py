@@ -402,6 +402,23 @@ class Company:
         task_id: str = response.json()["id"]
         return task_id
 
+    def create_retrying(self, type_: str, payload: dict[str, Any]) -> tuple[str, int]:
+        """Create a task as a client does after an outage: a 503 says try again. Id, 503s."""
+        refused = 0
+        while (
+            response := self.call("POST", "/tasks", json={"type": type_, "payload": payload})
+        ).status_code == 503 and refused < 20:
+            refused += 1
+            time.sleep(0.25)
+        assert response.status_code == 201, response.text
+        return str(response.json()["id"]), refused
+
+    def create_batch(self, bodies: list[dict[str, Any]]) -> list[str]:
+        """Create tasks in one request (one transaction, one wake-up); their ids."""
+        response = self.call("POST", "/task-batches", json={"tasks": bodies})
+        assert response.status_code == 201, response.text
+        return [str(task["id"]) for task in response.json()["items"]]
+
     def tasks(self) -> dict[str, dict[str, Any]]:
         """Every task of the company by id (at most 100)."""
         response = self.call("GET", "/tasks", params={"limit": 100})
@@ -478,6 +495,7 @@ class Steps:
     """How long each step took, for the report."""
 
     timings: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @contextlib.contextmanager
     def step(self, name: str) -> Iterator[None]:
@@ -492,7 +510,7 @@ class Steps:
         """One line per step."""
         total = sum(self.timings.values())
         lines = [f"{name}: {seconds:.1f}s" for name, seconds in self.timings.items()]
-        return "\n".join([*lines, f"steps in all: {total:.0f}s"])
+        return "\n".join([*lines, f"steps in all: {total:.0f}s", *self.notes])
 
 
 @pytest.mark.longest
@@ -529,7 +547,7 @@ def _run_steps(compose: Compose, images: Images, steps: Steps, receiver: Receive
         _stop_worker_mid_batch(compose, acme)
 
     with steps.step("restart db"):
-        _restart_db(compose, acme)
+        _restart_db(compose, acme, steps)
 
     with steps.step("down, up: the data stays"):
         before = acme.tasks()
@@ -571,8 +589,9 @@ def _stop_worker_mid_batch(compose: Compose, company: Company) -> None:
     """`stop worker` mid-batch: the task in hand finishes, the rest go back; `start` runs them."""
     pid1 = compose("exec", "-T", "worker", "cat", "/proc/1/cmdline").stdout.split("\0")
     assert pid1[1:3] == ["-m", "worker"], f"PID 1 of the worker container: {pid1}"
-    # One child claims all four (a company alone gets whole batches) and runs them in turn.
-    ids = [company.create("sleep", {"seconds": 1.5}) for _ in range(4)]
+    # Created at once, so one child claims all four (a company alone gets whole batches) and
+    # runs them in turn.
+    ids = company.create_batch([{"type": "sleep", "payload": {"seconds": 1.5}}] * 4)
 
     def started() -> bool:
         tasks = company.tasks()
@@ -594,6 +613,11 @@ def _stop_worker_mid_batch(compose: Compose, company: Company) -> None:
     assert set(by_status) == {"completed", "pending"}, by_status
     assert set(by_status["completed"]) == {1}
     assert set(by_status["pending"]) == {0}
+    # Claimed, then handed back unstarted by the stopping child (not merely never claimed).
+    log = compose("logs", "--no-color", "worker").stdout
+    for task_id in ids:
+        if tasks[task_id]["status"] == "pending":
+            assert f"task {task_id} (company {company.id}, type sleep) released unstarted" in log
 
     compose("start", "worker")
     compose.wait(lambda: completed(company, ids), 60, "the handed-back tasks to complete")
@@ -601,7 +625,7 @@ def _stop_worker_mid_batch(compose: Compose, company: Company) -> None:
     assert [tasks[task_id]["attempts"] for task_id in ids] == [1, 1, 1, 1]
 
 
-def _restart_db(compose: Compose, company: Company) -> None:
+def _restart_db(compose: Compose, company: Company, steps: Steps) -> None:
     """`restart db`: /ready 503 then 200, the worker container carries on, nothing lost."""
     worker_before = compose.container("worker")["State"]
     answers: list[int] = []
@@ -626,14 +650,23 @@ def _restart_db(compose: Compose, company: Company) -> None:
         poller.join(10)
     assert set(answers) <= {200, 503}, f"/ready answered {set(answers)}"
 
-    ids = [company.create("noop", {}) for _ in range(3)]
+    # /ready probes on a fresh connection; a request on a pooled connection the restart broke
+    # answers 503 ("try again") once, as that connection was used too recently to be pinged
+    # (db/engine.py, ping_after_idle): clients retry.
+    created = [company.create_retrying("noop", {}) for _ in range(3)]
+    ids = [task_id for task_id, _ in created]
+    steps.notes.append(
+        f"restart db: /ready answered {answers.count(503)} times 503 before 200; then "
+        f"{sum(refused for _, refused in created)} creates answered 503 (stale pooled "
+        "connections) before 201"
+    )
     compose.wait(lambda: completed(company, ids), 60, "tasks created after the restart")
     worker_after = compose.container("worker")["State"]
     assert worker_after["Running"]
     assert worker_after["StartedAt"] == worker_before["StartedAt"], "the worker was not restarted"
     tasks = company.tasks()
     # 4 of each type, 4 sleeps, 3 noops: every one there, and completed.
-    assert len(tasks) == 11
+    assert len(tasks) == 11, "a create answered 503 stored nothing"
     assert {task["status"] for task in tasks.values()} == {"completed"}
 
 
