@@ -38,11 +38,13 @@ STAND_INS = Path(__file__).resolve().parent / "compose_stand_ins"
 STAND_IN_LABEL = "fairq.stand-in"
 BASE_IMAGE = "fairq-stand-in/debian:bookworm"
 BASE_SUITE = "bookworm"
-# What the stand-ins need of the base: the Python stand-in's venv, the Mailpit stand-in and
-# PgBouncer stand-in's entrypoint run on this Python. Docs, man pages and translations are
-# left out.
+# What the stand-ins need of the base: the Python stand-in's venv, and the Mailpit and
+# PgBouncer stand-ins' scripts run on this Python. (No dpkg path-exclude for docs: filtering
+# made the extraction four times slower than the docs cost.)
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
-BASE_EXCLUDES = ("/usr/share/doc/*", "/usr/share/man/*", "/usr/share/locale/*")
+# Set by scripts/with-dockerd: a directory in memory, removed with the daemon. mmdebstrap
+# works about a third faster there than on disk.
+SCRATCH_VARIABLE = "FAIRQ_PRIVATE_DOCKER_SCRATCH"
 
 # The compose service whose image each stand-in replaces ("python": the Dockerfile's FROM).
 ROLES = {
@@ -158,13 +160,13 @@ def build_stand_ins(
         _build_base(workdir, env, log)
         timings["Debian base (mmdebstrap, import)"] = time.monotonic() - started
     started = time.monotonic()
-    context = _context(workdir / "stand-ins", roles)
+    context = _context(workdir / f"stand-ins-{'-'.join(roles)}", roles)
     names = {image.role: image.name for image in missing}
     compose_file = context / "compose.json"
     compose_file.write_text(
         json.dumps(
             {
-                "name": "fairq-stand-ins",
+                "name": f"fairq-stand-ins-{'-'.join(roles)}",
                 "services": {
                     role: {
                         "image": names[role],
@@ -193,12 +195,12 @@ def _build_base(workdir: Path, env: Mapping[str, str], log: Path) -> None:
     mmdebstrap = shutil.which("mmdebstrap") or shutil.which("mmdebstrap", path="/usr/sbin")
     if mmdebstrap is None:
         raise ImageError("mmdebstrap is not installed: apt-get install mmdebstrap")
-    tarball = workdir / "debian.tar"
-    excludes = [f"--dpkgopt=path-exclude={pattern}" for pattern in BASE_EXCLUDES]
+    scratch = Path(env.get(SCRATCH_VARIABLE) or workdir)
+    tarball = scratch / "fairq-stand-in-debian.tar"
     run(
         [mmdebstrap, "--quiet", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
-         *excludes, BASE_SUITE, str(tarball)],
-        env, timeout=900, log=log,
+         BASE_SUITE, str(tarball)],
+        {**env, "TMPDIR": str(scratch)}, timeout=900, log=log,
     )  # fmt: skip
     label = f"Debian 12 minbase with {', '.join(BASE_PACKAGES)}, made by mmdebstrap"
     run(

@@ -24,6 +24,7 @@ how to run it (scripts/with-dockerd). The steps share one stack, so they are one
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -316,10 +317,22 @@ def docker_env() -> dict[str, str]:
 
 @dataclass
 class Images:
-    """What the stack runs on, and how long making the stand-ins took."""
+    """What the stack runs on, and the stand-ins still being built in the background."""
 
+    env: dict[str, str]
     images: list[compose_images.Image]
-    timings: dict[str, float]
+    timings: dict[str, float] = field(default_factory=dict)
+    building: concurrent.futures.Future[dict[str, float]] | None = None
+
+    def finish(self) -> None:
+        """Wait for the stand-ins built in the background; fail the test if a build failed."""
+        if self.building is not None:
+            building, self.building = self.building, None
+            try:
+                self.timings.update(building.result())
+            except compose_images.ImageError as exc:
+                pytest.fail(f"could not build the stand-ins: {exc}")
+            self.images = compose_images.survey(self.env)
 
     def report(self) -> str:
         """Which images are stand-ins, for the end of the run."""
@@ -331,29 +344,39 @@ class Images:
 
 
 @pytest.fixture(scope="module")
-def images(docker_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Images:
-    """The base images, stand-ins built for the missing ones in a private daemon."""
+def images(
+    docker_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Images]:
+    """The base images; stand-ins for the missing ones, made in a private daemon only.
+
+    The Python stand-in (and the Debian base) first; the others build in the background
+    while the project's image is built on it (`Images.finish` waits for them).
+    """
     found = compose_images.survey(docker_env)
-    missing = [image for image in found if not image.present]
-    needed = [image for image in missing if image.role in compose_images.DOCKERFILES]
-    timings: dict[str, float] = {}
-    if needed:
-        names = ", ".join(image.name for image in needed)
-        if not private_daemon(docker_env):
-            skip_or_fail(
-                f"the daemon has no image {names}, and the test makes stand-ins only in a "
-                "private daemon: pull them (`docker compose --profile pooler --profile "
-                f"monitoring pull`) or run the test that way. {HOW_TO_RUN}"
-            )
-        workdir = tmp_path_factory.mktemp("images")
-        try:
-            timings = compose_images.build_stand_ins(
-                needed, workdir, docker_env, workdir / "build.log"
-            )
-        except compose_images.ImageError as exc:
-            pytest.fail(f"could not build stand-ins for {names}: {exc}")
-        found = compose_images.survey(docker_env)
-    return Images(found, timings)
+    needed = [
+        image for image in found if not image.present and image.role in compose_images.DOCKERFILES
+    ]
+    if not needed:
+        yield Images(docker_env, found)
+        return
+    if not private_daemon(docker_env):
+        skip_or_fail(
+            f"the daemon has no image {', '.join(image.name for image in needed)}, and the "
+            "test makes stand-ins only in a private daemon: pull them (`docker compose "
+            f"--profile pooler --profile monitoring pull`) or run it that way. {HOW_TO_RUN}"
+        )
+    workdir = tmp_path_factory.mktemp("images")
+    log = workdir / "build.log"
+    first = [image for image in needed if image.role == "python"]
+    rest = [image for image in needed if image.role != "python"]
+    try:
+        timings = compose_images.build_stand_ins(first, workdir, docker_env, log)
+    except compose_images.ImageError as exc:
+        pytest.fail(f"could not build the stand-ins: {exc}")
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stand-ins") as executor:
+        building = executor.submit(compose_images.build_stand_ins, rest, workdir, docker_env, log)
+        # Leaving the block waits for the builds, should the test end before `finish`.
+        yield Images(docker_env, compose_images.survey(docker_env), timings, building)
 
 
 @pytest.fixture(scope="module")
@@ -375,6 +398,7 @@ def compose(
     started = time.monotonic()
     stack("build", timeout=900)
     stack.build_seconds = time.monotonic() - started
+    images.finish()
     try:
         yield stack
     finally:
