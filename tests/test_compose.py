@@ -48,8 +48,6 @@ from devtools.stack import metric_total, parse_metrics
 from devtools.webhook_receiver import Receiver
 from tests import compose_images, system_tools
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
-
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 OVERRIDE_FILE = ROOT / "tests" / "compose.override.yml"
@@ -150,6 +148,15 @@ def test_the_listen_addresses_are_the_published_ports_on_loopback() -> None:
     assert {port for _, port in LISTENS.values()} == published | {5432}
 
 
+def test_the_pooler_step_sets_the_variables_the_readme_gives() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("### Behind PgBouncer") :]
+    command = section[section.index("```sh\n") : section.index("\n```", section.index("```sh"))]
+
+    for name, value in POOLED.items():
+        assert f"{name}={value}" in command, name
+
+
 # -- Docker ---------------------------------------------------------------------------------------
 
 
@@ -233,7 +240,6 @@ class Compose:
         profiles: tuple[str, ...] = (),
         env: Mapping[str, str] | None = None,
         timeout: float = 300,
-        check: bool = True,
     ) -> subprocess.CompletedProcess[str]:
         """Run `docker compose ARGS`; fail the test with its output and the logs if it fails."""
         argv = self.argv(*args, profiles=profiles)
@@ -248,7 +254,7 @@ class Compose:
         with self.log.open("a", encoding="utf-8") as f:
             took = time.monotonic() - started
             f.write(f"$ {' '.join(argv)}  # {took:.1f}s\n{result.stdout}{result.stderr}\n")
-        if check and result.returncode != 0:
+        if result.returncode != 0:
             pytest.fail(
                 f"`docker compose {' '.join(args)}` exited {result.returncode}:\n"
                 f"{result.stdout[-2000:]}{result.stderr[-2000:]}\n{self.logs()}"
@@ -537,7 +543,9 @@ class Steps:
         return "\n".join([*lines, f"steps in all: {total:.0f}s", *self.notes])
 
 
+@pytest.mark.slow
 @pytest.mark.longest
+@pytest.mark.timeout(1500)
 def test_docker_compose_up_runs_tasks_and_survives_stops_restarts_down_and_profiles(
     images: Images, compose: Compose, record_property: Callable[[str, object], None]
 ) -> None:
