@@ -7,7 +7,7 @@ has is used as it is. A missing one is built as a stand-in under the same name, 
 a private daemon (scripts/with-dockerd, as CI runs it), where no registry may be reachable
 and nothing else uses those names:
 
-- a Debian 12 base made with mmdebstrap from Debian's packages (the mirror apt uses), with
+- a Debian 12 base made with mmdebstrap from Debian's package archive, with
   Python 3, imported as `fairq-stand-in/debian:bookworm`;
 - on it, one Dockerfile per image from tests/compose_stand_ins/, built with compose on the
   host's network: PostgreSQL 16 from the pgserver wheel, PgBouncer and Prometheus from
