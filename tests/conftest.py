@@ -184,3 +184,37 @@ AuthHeaders = Callable[[str], dict[str, str]]
 def bearer() -> AuthHeaders:
     """`bearer(key)` -> an Authorization header for that key."""
     return lambda key: {"Authorization": f"Bearer {key}"}
+
+
+# -- the order of the tests ------------------------------------------------------------------
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the tests marked `longest` first, the others in their order.
+
+    Each test process of xdist starts on its own share of this list: a test of minutes (the
+    compose test) at its head then runs beside the others instead of holding up the end.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("longest") is None)
+
+
+# -- reports at the end of the run ------------------------------------------------------------
+
+# What tests record with `record_property("report", text)`, printed after the results (the
+# compose test says which images were stand-ins, and how long each step took). Under xdist
+# the reports reach the controlling process with each test's teardown report.
+_REPORTS: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Keep the reports a test recorded, once it is torn down."""
+    if report.when == "teardown":
+        _REPORTS.extend(str(value) for name, value in report.user_properties if name == "report")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print the reports the tests recorded."""
+    if _REPORTS:
+        terminalreporter.section("reports")
+        for text in _REPORTS:
+            terminalreporter.write_line(text)
