@@ -732,7 +732,6 @@ async def _pgqueuer_worker(dsn: str, batch: int, threads: int, status_fd: int) -
 
     started = False
 
-    @manager.entrypoint(PGQUEUER_ENTRYPOINT)
     async def sleep(job: Job) -> None:
         """Sleep 20 ms, as fairq's `sleep` task, at most `threads` at once in this process."""
         nonlocal started
@@ -742,6 +741,9 @@ async def _pgqueuer_worker(dsn: str, batch: int, threads: int, status_fd: int) -
             os.close(status_fd)
         async with gate:
             await asyncio.sleep(HANDLER_SECONDS)
+
+    # Called, not applied as a decorator: without the bench extra pgqueuer's types are Any.
+    manager.entrypoint(PGQUEUER_ENTRYPOINT)(sleep)
 
     go = asyncio.Event()
 
