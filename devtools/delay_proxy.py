@@ -299,7 +299,10 @@ class DelayProxy:
                 continue
             side.closed = True
             if side.mask:
-                self.epoll.unregister(side.fd)
+                # Already out of the set when its peer's close took the connection down
+                # first (seen at exit under SIGTERM): nothing left to unregister.
+                with contextlib.suppress(FileNotFoundError):
+                    self.epoll.unregister(side.fd)
             self._ends.pop(side.fd, None)
             side.sock.close()
             side.out.clear()

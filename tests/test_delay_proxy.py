@@ -247,6 +247,6 @@ def test_the_command_line_proxy_serves_until_sigterm_and_prints_its_statistics(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0
+    assert proc.returncode == 0, err
     assert "delay 1 ms" in err
     assert "2 chunks (8 bytes, 1 connections)" in err
