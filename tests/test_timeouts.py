@@ -184,8 +184,11 @@ def test_a_handler_that_fails_at_its_deadline_has_timed_out_but_a_permanent_erro
     def give_up_at_deadline(task: TaskContext) -> None:
         # Asleep until just short of the deadline, then running up to it: a thread that had
         # to wake at the deadline could lose the GIL to the timer's on a busy box, and the
-        # timer's exception would land before this handler's own error.
+        # timer's exception would land before this handler's own error. Holding the GIL
+        # from there to the raise (no switch for 2 s; the test restores the interval) keeps
+        # the timer's thread from landing it between the deadline and the raise.
         time.sleep(max(0.0, task.within_timeout(60) - 0.05))
+        sys.setswitchinterval(2.0)
         while task.within_timeout(60) > 0:
             pass
         if task.payload.get("permanent"):
@@ -199,7 +202,12 @@ def test_a_handler_that_fails_at_its_deadline_has_timed_out_but_a_permanent_erro
     )
     set_timeout(sessions, [slow, refused], 1)
 
-    assert run_pass(sessions) == processing.PassResult(claimed=2, retried=1, failed=1)
+    switch_interval = sys.getswitchinterval()
+    try:
+        result = run_pass(sessions)
+    finally:
+        sys.setswitchinterval(switch_interval)
+    assert result == processing.PassResult(claimed=2, retried=1, failed=1)
 
     slow_row, refused_row = rows(sessions, [slow, refused])
     assert slow_row["last_error"].startswith("timed out after 1.")
