@@ -200,3 +200,14 @@ def test_a_claim_with_a_null_worker_id_is_refused_not_leased_to_no_one(
             sql.execute("SELECT * FROM fairq_claim(NULL, 2)")
         leased = sql.execute("SELECT count(*) FROM tasks WHERE status = 'processing'").fetchone()
     assert leased == (0,)
+
+
+@pytest.mark.parametrize("batch_size", [0, -1, None])
+def test_a_claim_of_no_tasks_or_a_negative_number_is_refused(
+    fresh_db_url: str, batch_size: int | None
+) -> None:
+    with (
+        psycopg.connect(libpq(fresh_db_url), autocommit=True) as sql,
+        pytest.raises(psycopg.errors.InvalidParameterValue, match="batch_size must be"),
+    ):
+        sql.execute("SELECT * FROM fairq_claim('w', %s)", (batch_size,))
