@@ -14,7 +14,7 @@ __all__ = ["create_app"]
 def create_app(settings: ApiSettings | None = None) -> Flask:
     """Build the WSGI app from `settings` (default: `ApiSettings.from_env()`).
 
-    Raises `worker.environment.SettingsError` naming the variable when the environment is invalid.
+    Raises `common.environment.SettingsError` naming the variable when the environment is invalid.
     """
     from api.companies.routes import blp as companies_blp  # noqa: PLC0415
     from api.stats.routes import blp as stats_blp  # noqa: PLC0415

@@ -4,7 +4,7 @@ The line carries `method`, `route` (the URL rule template, never the raw path; `
 the escaped `path` when no route matched), `status`, `duration_ms`, `request_id`, and when
 known `company_id` (the authenticated company), `admin` (the admin token was used) and
 `task_id` (from the route). Never a body or a query string. With `LOG_FORMAT=json` they are
-keys of the JSON object (`worker.logging.JsonFormatter`), in text they are in the message.
+keys of the JSON object (`common.logging.JsonFormatter`), in text they are in the message.
 
 Request ids: a client's `X-Request-ID` is kept when it is 1..128 visible ASCII characters,
 else one is generated; the response echoes it in `X-Request-ID`. Under gunicorn this line
@@ -21,13 +21,13 @@ import uuid
 from flask import Flask, Response, g, request
 
 from api.auth import Principal
-from worker import logging as worker_logging
+from common import logging as fairq_logging
 
 REQUEST_ID_HEADER = "X-Request-ID"
 MAX_PATH_CHARS = 200
 
 # Its records skip the caller lookup (neither format shows file or line).
-log = worker_logging.callerless_logger("fairq.api.request")
+log = fairq_logging.callerless_logger("fairq.api.request")
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
@@ -39,7 +39,7 @@ def init_app(app: Flask, *, level: str, fmt: str) -> None:
     """
     # Flask's app.logger is logging.getLogger("fairq"): replacing its handlers also drops
     # Flask's default handler, so every fairq line has one format.
-    worker_logging.configure(level, fmt, logger="fairq")
+    fairq_logging.configure(level, fmt, logger="fairq")
     # Registered before the other extensions: first to start the clock, last to stop it.
     app.before_request(_start)
     app.after_request(_finish)

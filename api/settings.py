@@ -1,6 +1,6 @@
 """API settings: the only place the API process reads the environment (design §8).
 
-Built on the same parsers as the worker's (`worker.environment`), which also read, with their
+Built on the same parsers as the worker's (`common.environment`), which also read, with their
 one default, the variables the two share: `DATABASE_URL`, `DATABASE_POOL_MODE`, logging, the
 stale window, the notify channel and the handlers' settings.
 """
@@ -12,16 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from db import tenant_stats
-from db.models import MAX_PENDING, MIN_PENDING
-from worker.environment import (
+from common.environment import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
     DEFAULT_NOTIFY_CHANNEL,
     DEFAULT_POOL_MODE,
     DEFAULT_STALE_AFTER_SECONDS,
     SettingsError,
-    env_handler_config,
     env_int,
     env_logging,
     env_notify_channel,
@@ -29,6 +26,8 @@ from worker.environment import (
     env_stale_after,
     env_url,
 )
+from db import tenant_stats
+from db.models import MAX_PENDING, MIN_PENDING
 from worker.tasktypes.base import HandlerConfig
 
 # A new company's max_pending when POST /companies gives none: room for a large backlog, but
@@ -131,7 +130,7 @@ class ApiSettings:
                 minimum=100,
                 maximum=MAX_STATS_TIMEOUT_MS,
             ),
-            handler_config=env_handler_config(env),
+            handler_config=HandlerConfig.from_env(env),
         )
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from marshmallow import ValidationError, fields
 
-from worker.tasktypes.fields import SINGLE_LINE, FullMatch
+from common.fields import SINGLE_LINE, FullMatch
 
 __all__ = ["NO_NUL", "SINGLE_LINE", "FullMatch", "QueryInteger", "not_blank"]
 

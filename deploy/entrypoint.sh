@@ -4,7 +4,7 @@
 # It passes the environment on untouched, PROMETHEUS_MULTIPROC_DIR included (the image and
 # compose set it): set before the process starts, it is in place before anything imports
 # prometheus_client. The processes that write metrics create and empty that directory
-# themselves (worker/metrics_dir.py). Then exec the command, so it replaces this shell as
+# themselves (common/metrics_dir.py). Then exec the command, so it replaces this shell as
 # PID 1 and receives the SIGTERM of `docker stop` itself.
 set -eu
 

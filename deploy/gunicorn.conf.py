@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 
 # Imports nothing of prometheus_client: the master must not, before `on_starting` has set the
-# metrics directory its workers inherit (worker/metrics_dir.py).
-from worker import metrics_dir
+# metrics directory its workers inherit (common/metrics_dir.py).
+from common import metrics_dir
 
 bind = os.environ.get("GUNICORN_BIND", "0.0.0.0:8000")
 workers = int(os.environ.get("GUNICORN_WORKERS", "2"))

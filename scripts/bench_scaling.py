@@ -102,6 +102,7 @@ from psycopg.rows import TupleRow
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
+from common.environment import DEFAULT_NOTIFY_CHANNEL
 from devtools import delay_proxy, stack
 from scripts.bench_throughput import (
     add_database_arguments,
@@ -113,7 +114,6 @@ from scripts.bench_throughput import (
     reset,
     seed_companies,
 )
-from worker.environment import DEFAULT_NOTIFY_CHANNEL
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:

@@ -140,7 +140,7 @@ class Config:
 
 def read_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config:
     """The settings of this run; `StartupError` (status 2) naming the variable if invalid."""
-    from worker.environment import SettingsError, env_int, env_str
+    from common.environment import SettingsError, env_int, env_str
     from worker.settings import WorkerSettings
 
     env = dict(environ)

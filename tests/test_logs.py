@@ -2,7 +2,7 @@
 
 The API's request lines and the processing pass's task lines are read as the JSON the
 handler writes (`LOG_FORMAT=json`), from the captured stderr; the pass's records are also
-read from `caplog`. `worker.logging`'s batching is checked against a stream that counts writes.
+read from `caplog`. `common.logging`'s batching is checked against a stream that counts writes.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.settings import ApiSettings
+from common import logging as fairq_logging
+from common.environment import SettingsError
 from tests.conftest import ADMIN_TOKEN, make_test_app
 from tests.factories import CompanyWithKey, MakeCompany, insert_tasks, json_of
-from worker import logging as worker_logging
 from worker import processing, tasktypes
-from worker.environment import SettingsError
 from worker.errors import PermanentTaskError
 from worker.settings import WorkerSettings
 from worker.tasktypes.base import TaskContext, TaskType
@@ -71,7 +71,7 @@ def client(json_app: Flask, session_factory: sessionmaker[Session]) -> Iterator[
     engine_, original = json_app.extensions[database._EXT]
     json_app.extensions[database._EXT] = (engine_, session_factory)
     # The JSON handler must be the one on `fairq`, whatever app was built since.
-    worker_logging.configure("INFO", "json", logger="fairq")
+    fairq_logging.configure("INFO", "json", logger="fairq")
     yield json_app.test_client()
     json_app.extensions[database._EXT] = (engine_, original)
 
@@ -220,7 +220,7 @@ def test_every_response_gets_a_fresh_request_id_when_none_is_sent(client: FlaskC
 def test_the_text_format_keeps_one_readable_line_per_request(
     client: FlaskClient, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    worker_logging.configure("INFO", "text", logger="fairq")
+    fairq_logging.configure("INFO", "text", logger="fairq")
 
     client.get("/health", headers={"X-Request-ID": "text-1"})
 
@@ -347,7 +347,7 @@ def test_no_payload_content_reaches_the_logs(
         "PermanentTaskError", "ValueError",
     ]  # fmt: skip
     assert any("quote_and_retry" in r["message"] for r in events(records, "task.traceback"))
-    for formatter in (worker_logging.JsonFormatter(), worker_logging.TextFormatter()):
+    for formatter in (fairq_logging.JsonFormatter(), fairq_logging.TextFormatter()):
         for record in caplog.records:
             assert marker not in formatter.format(record)
 
@@ -385,7 +385,7 @@ def test_released_tasks_log_one_line_each(
         assert record.levelno == logging.INFO
         assert (getattr(record, "attempt", None), getattr(record, "duration_ms", 0)) == (1, None)
         assert getattr(record, "company_id", None) == str(fresh_company_id)
-        rendered = json.loads(worker_logging.JsonFormatter().format(record))
+        rendered = json.loads(fairq_logging.JsonFormatter().format(record))
         assert rendered.keys() >= TASK_FIELDS
 
 
@@ -462,7 +462,7 @@ class CountingStream(io.StringIO):
 def counted() -> Iterator[tuple[logging.Logger, CountingStream]]:
     """A logger of its own writing through `configure`'s kind of handler to a `CountingStream`."""
     stream = CountingStream()
-    handler = worker_logging.make_handler("text", stream, capacity=5)
+    handler = fairq_logging.make_handler("text", stream, capacity=5)
     logger = logging.getLogger(f"fairq-test.{uuid.uuid4().hex}")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -488,7 +488,7 @@ def test_the_lines_of_a_batch_are_written_in_one_write_when_it_ends(
 ) -> None:
     logger, stream = counted
 
-    with worker_logging.batched():
+    with fairq_logging.batched():
         for n in range(4):
             logger.info("line %d", n)
         assert stream.writes == 0
@@ -504,7 +504,7 @@ def test_a_warning_writes_what_was_held_at_once_and_in_order(
 ) -> None:
     logger, stream = counted
 
-    with worker_logging.batched():
+    with fairq_logging.batched():
         logger.info("before")
         logger.warning("trouble")
         assert stream.writes == 1
@@ -520,11 +520,11 @@ def test_a_full_buffer_is_written_before_the_batch_ends(
 ) -> None:
     logger, stream = counted
 
-    with worker_logging.batched():
+    with fairq_logging.batched():
         for n in range(7):
             logger.info("line %d", n)
         assert stream.writes == 1  # capacity 5
-        worker_logging.flush()  # what a child does right before os._exit
+        fairq_logging.flush()  # what a child does right before os._exit
         assert stream.writes == 2
         assert stream.getvalue().count("\n") == 7
 
@@ -533,14 +533,14 @@ def test_a_held_line_is_written_once_it_has_waited_long_enough(
     counted: tuple[logging.Logger, CountingStream], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     logger, stream = counted
-    monkeypatch.setattr(worker_logging, "MAX_HOLD_SECONDS", 0.05)
+    monkeypatch.setattr(fairq_logging, "MAX_HOLD_SECONDS", 0.05)
 
-    with worker_logging.batched():
+    with fairq_logging.batched():
         logger.info("waiting")
-        worker_logging.write_due()
+        fairq_logging.write_due()
         assert stream.writes == 0
         time.sleep(0.06)
-        worker_logging.write_due()  # what the lease keeper does every tick
+        fairq_logging.write_due()  # what the lease keeper does every tick
         assert stream.writes == 1
 
 
@@ -552,9 +552,9 @@ def test_a_slow_batch_does_not_hold_finished_tasks_lines_until_it_ends(
 ) -> None:
     # Longer than the completion flush delay: the first task's line is then held until the
     # lease keeper's `write_due`, not written by the next record's arrival.
-    monkeypatch.setattr(worker_logging, "MAX_HOLD_SECONDS", 0.3)
+    monkeypatch.setattr(fairq_logging, "MAX_HOLD_SECONDS", 0.3)
     stream = io.StringIO()
-    handler = worker_logging.make_handler("json", stream)
+    handler = fairq_logging.make_handler("json", stream)
     logger = logging.getLogger("fairq.worker.processing")
     first: list[uuid.UUID] = []
     seen_during_pass: list[bool] = []
@@ -587,19 +587,19 @@ def test_a_slow_batch_does_not_hold_finished_tasks_lines_until_it_ends(
 def test_a_forked_child_does_not_write_the_lines_its_parent_holds() -> None:
     read_fd, write_fd = os.pipe()
     with os.fdopen(write_fd, "w") as stream, os.fdopen(read_fd) as reader:
-        handler = worker_logging.make_handler("text", stream)
+        handler = fairq_logging.make_handler("text", stream)
         logger = logging.getLogger(f"fairq-test.{uuid.uuid4().hex}")
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
         try:
-            with worker_logging.batched():
+            with fairq_logging.batched():
                 logger.info("held by the parent")
                 pid = os.fork()
                 if pid == 0:  # pragma: no cover  (the child)
                     code = 1
                     try:  # never return into pytest from the child
-                        worker_logging.flush()
+                        fairq_logging.flush()
                         logger.info("child line")
                         handler.flush()
                         code = 0
@@ -620,9 +620,9 @@ def test_the_formatters_cached_time_matches_an_uncached_one(created: float) -> N
     record = logging.LogRecord("fairq.x", logging.INFO, "f", 1, "m", None, None)
     record.created, record.msecs = created, (created - int(created)) * 1000
 
-    rendered = json.loads(worker_logging.JsonFormatter().format(record))
-    text_line = worker_logging.TextFormatter().format(record)
+    rendered = json.loads(fairq_logging.JsonFormatter().format(record))
+    text_line = fairq_logging.TextFormatter().format(record)
 
     expected = dt.datetime.fromtimestamp(created, dt.UTC).isoformat(timespec="milliseconds")
     assert rendered["time"] == expected
-    assert text_line == logging.Formatter(worker_logging.TEXT_FORMAT).format(record)
+    assert text_line == logging.Formatter(fairq_logging.TEXT_FORMAT).format(record)

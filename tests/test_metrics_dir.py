@@ -1,4 +1,4 @@
-"""The multiprocess metrics directory has one owner (`worker.metrics_dir`, design §7).
+"""The multiprocess metrics directory has one owner (`common.metrics_dir`, design §7).
 
 No database. This process imported prometheus_client long ago, so what must happen before
 that import runs in a fresh interpreter, as in the supervisor or gunicorn's master.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from worker import metrics_dir
+from common import metrics_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,7 +71,7 @@ def test_without_a_configured_directory_a_temporary_one_lives_until_removed(
     code = """if True:
         import os, sys, tempfile
         from pathlib import Path
-        from worker import metrics_dir
+        from common import metrics_dir
         tempfile.tempdir = sys.argv[1]
         made = metrics_dir.prepare(None, prefix="fairq-test-")
         import prometheus_client.values  # after prepare: files, not memory

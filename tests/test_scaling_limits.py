@@ -16,12 +16,12 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
 
+from common.environment import SettingsError
 from tests import pg
 from tests import supervisor_harness as harness
 from tests.factories import insert_company, insert_tasks
 from tests.supervisor_harness import StartSupervisor, wait_for
 from tests.test_settings import URL, readme_defaults
-from worker.environment import SettingsError
 from worker.settings import WorkerSettings
 
 # Connections of one booted, idle child: its engine's one and its LISTEN connection.

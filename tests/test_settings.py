@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from api.settings import ApiSettings
+from common.environment import SettingsError
 from worker import cli
-from worker.environment import SettingsError
 from worker.settings import PassSettings, WorkerSettings
 
 URL = "postgresql+psycopg://fairq@db.example/fairq"

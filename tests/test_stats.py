@@ -19,11 +19,11 @@ from sqlalchemy.orm import Session
 
 from api import database
 from api.settings import ApiSettings
+from common.environment import SettingsError
 from db import errors, tenant_stats
 from db.engine import make_sessionmaker
 from tests.conftest import make_test_app
 from tests.factories import CompanyWithKey, MakeCompany, insert_company, insert_task, json_of
-from worker.environment import SettingsError
 
 FIGURE_FIELDS = {
     "as_of",

@@ -264,7 +264,7 @@ def test_without_a_metrics_directory_children_write_to_a_temporary_one_removed_a
     sup = supervisor("--concurrency", "1", PROMETHEUS_MULTIPROC_DIR=None, TMPDIR=str(tmp))
     sup.wait_ready(1)
     [made] = tmp.glob("fairq-worker-metrics-*")
-    # Exported before the fork (worker.metrics_dir): the child's counters are files there.
+    # Exported before the fork (common.metrics_dir): the child's counters are files there.
     wait_for(lambda: list(made.glob("counter_*.db")), 5, "the child's metrics files")
     assert sup.metrics()["worker_children"] == 1
 

@@ -31,6 +31,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from common.environment import SettingsError
 from tests import supervisor_harness as harness
 from tests import test_processing
 from tests.factories import insert_company, insert_tasks
@@ -38,7 +39,6 @@ from tests.supervisor_harness import RunningSupervisor, StartSupervisor, wait_fo
 from tests.test_processing import Recorder, Register, TopOfRange, rows, run_pass
 from tests.test_timeouts import set_timeout, spin, started_timeout_worker
 from worker import cli, processing
-from worker.environment import SettingsError
 from worker.errors import HandlerTimeout, PermanentTaskError
 from worker.processing import timeouts
 from worker.settings import PassSettings, WorkerSettings

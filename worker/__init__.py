@@ -1,4 +1,4 @@
 """The queue engine: task types, the processing pass, and the supervisor with its children.
 
-Imports `db`, never `api`.
+Imports `common` and `db`, never `api`.
 """

@@ -62,11 +62,11 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
+from common import logging as fairq_logging
 from db import engine as db_engine
 from db import errors as db_errors
 from db import maintenance, queue
 from worker import backoff, liveness, wakeups
-from worker import logging as worker_logging
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -426,7 +426,7 @@ class Child:
         )
         log.error("child %d exits: %s", os.getpid(), reason)
         self._report(f"{STATUS_STUCK} {reason}")
-        worker_logging.flush()
+        fairq_logging.flush()
         os._exit(HANDLER_STUCK)
 
     def _wait(self, timeout: float, *, listen: bool) -> None:

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, NoReturn
 
 from sqlalchemy.exc import DBAPIError
 
-from worker import logging as worker_logging
-from worker.environment import SettingsError
+from common import logging as fairq_logging
+from common.environment import SettingsError
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         source = f" (given as {given[0]})" if given else ""
         print(f"fairq worker: invalid configuration: {exc}{source}", file=sys.stderr)
         return SETTINGS_ERROR_EXIT
-    worker_logging.configure(settings.log_level, settings.log_format)
+    fairq_logging.configure(settings.log_level, settings.log_format)
     if args.once:
         return run_once(settings)
     from worker import supervisor  # noqa: PLC0415  (keeps --once free of the fork machinery)
@@ -196,7 +196,7 @@ def _exit_unstoppable(stuck: processing.Unstoppable) -> NoReturn:
         file=sys.stderr,
         flush=True,
     )
-    worker_logging.flush()
+    fairq_logging.flush()
     os._exit(HANDLER_STUCK_EXIT)
 
 

@@ -1,7 +1,7 @@
 """Worker metrics (design §7) in Prometheus multiprocess mode, and the port that serves them.
 
 Importing this module imports `prometheus_client`, which picks its value storage then: the
-supervisor imports it only after `worker.metrics_dir.prepare` (metrics created otherwise stay
+supervisor imports it only after `common.metrics_dir.prepare` (metrics created otherwise stay
 in one process's memory, invisible to the supervisor's scrape).
 
 Children record task metrics through `TaskMetrics` (one set per child, written to that

@@ -1,7 +1,7 @@
 """Worker settings: the only place worker processes read the environment (design §8).
 
 Each default is written once, on its dataclass field below (or, for a variable the API reads
-too, in `worker.environment`); `from_env`, the command line's help and `PassSettings()` all
+too, in `common.environment`); `from_env`, the command line's help and `PassSettings()` all
 read it from there.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker.environment import (
+from common.environment import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
     DEFAULT_NOTIFY_CHANNEL,
@@ -21,7 +21,6 @@ from worker.environment import (
     DEFAULT_STALE_AFTER_SECONDS,
     SettingsError,
     env_float,
-    env_handler_config,
     env_int,
     env_logging,
     env_notify_channel,
@@ -151,7 +150,7 @@ class WorkerSettings(PassSettings):
             log_level=log_level,
             log_format=log_format,
             notify_channel=env_notify_channel(env),
-            handler_config=env_handler_config(env),
+            handler_config=HandlerConfig.from_env(env),
         )
 
     @property

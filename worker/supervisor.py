@@ -60,8 +60,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from worker import backoff, child, metrics_dir
-from worker import logging as worker_logging
+from common import logging as fairq_logging
+from common import metrics_dir
+from worker import backoff, child
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -672,7 +673,7 @@ class Supervisor:
             log.exception("child %d crashed", os.getpid())
             code = 1
         finally:
-            worker_logging.flush()
+            fairq_logging.flush()
             os._exit(code)
 
     def _read_status(self, proc: ChildProcess) -> None:

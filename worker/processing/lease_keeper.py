@@ -15,8 +15,8 @@ from typing import Protocol
 
 from sqlalchemy.orm import Session
 
+from common import logging as fairq_logging
 from db import engine as db_engine
-from worker import logging as worker_logging
 from worker.processing.task_log import log
 
 # How often the keeper wakes to look for due heartbeats and completions.
@@ -113,7 +113,7 @@ class LeaseKeeper:
                 owner.heartbeat(self._session)
             owner.flush_due_completions(self._session)
             # Lines of a pass of slow tasks must not wait for the end of the pass.
-            worker_logging.write_due()
+            fairq_logging.write_due()
         except Exception as exc:
             # A failed beat or flush is retried next tick; the pass's final flush reports
             # what still fails.

@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 from sqlalchemy.orm import Session
 
+from common import logging as fairq_logging
 from db import queue
 from worker import backoff, tasktypes
-from worker import logging as worker_logging
 from worker.errors import HandlerTimeout, PermanentTaskError
 from worker.processing import database, outcome, sweep, task_log, task_result, timeouts
 from worker.processing.completion_buffer import Completion
@@ -106,7 +106,7 @@ def run_pass(
     `keeper` is a lease keeper to attach the pass to; without one the pass starts its own.
     `runners`: runner threads to use (at most `settings.threads - 1` of them are).
     """
-    with worker_logging.batched(), database.opened(sessions) as db:
+    with fairq_logging.batched(), database.opened(sessions) as db:
         return ProcessingPass(
             db,
             worker_id=worker_id,
@@ -132,7 +132,7 @@ def write_unwritten(
     """
     if not unwritten:
         return PassResult()
-    with worker_logging.batched(), database.opened(sessions) as db:
+    with fairq_logging.batched(), database.opened(sessions) as db:
         state = ProcessingPass(
             db,
             worker_id="",

@@ -3,8 +3,8 @@
 Never the payload, nor a handler's error message, which may quote it (a webhook URL, a
 recipient): lines name the exception class, and the message is in the task's `last_error`.
 Every module of the pass logs to `log`, one logger operators can filter by. A pass runs
-inside `worker.logging.batched()`, so its INFO lines cost one write per pass (or per
-`worker.logging.MAX_HOLD_SECONDS` for slow tasks), and below INFO a completed or released
+inside `common.logging.batched()`, so its INFO lines cost one write per pass (or per
+`common.logging.MAX_HOLD_SECONDS` for slow tasks), and below INFO a completed or released
 task builds no fields.
 """
 

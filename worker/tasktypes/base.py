@@ -10,6 +10,8 @@ from typing import Any, TypeAlias
 
 from marshmallow import Schema
 
+from common.environment import env_bool, env_float, env_str
+
 
 @dataclass(frozen=True)
 class HandlerConfig:
@@ -26,6 +28,25 @@ class HandlerConfig:
     webhook_allow_private: bool = False
     webhook_timeout: float = 10.0
     smtp_timeout: float = 30.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> HandlerConfig:
+        """`SMTP_URL`, `SMTP_FROM`, `WEBHOOK_*` from `env`; unset ones take the defaults above.
+
+        The worker and the API, whose `POST /workers/process` runs the same handlers, both
+        read them here. Raises `common.environment.SettingsError` naming the variable.
+        """
+        default = cls()
+        return cls(
+            smtp_url=env_str(env, "SMTP_URL", default.smtp_url),
+            smtp_from=env_str(env, "SMTP_FROM", default.smtp_from),
+            webhook_allow_private=env_bool(
+                env, "WEBHOOK_ALLOW_PRIVATE", default.webhook_allow_private
+            ),
+            webhook_timeout=env_float(
+                env, "WEBHOOK_TIMEOUT_SECONDS", default.webhook_timeout, minimum=0.1, maximum=300
+            ),
+        )
 
 
 @dataclass(frozen=True)

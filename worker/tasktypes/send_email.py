@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 from marshmallow import RAISE, Schema, fields, validate
 
+from common.fields import SINGLE_LINE
 from worker.errors import PermanentTaskError
 from worker.tasktypes.base import HandlerConfig, TaskContext, TaskType
 from worker.tasktypes.deadline import SocketDeadline
-from worker.tasktypes.fields import SINGLE_LINE
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer

@@ -9,8 +9,8 @@ from typing import Any
 
 from marshmallow import RAISE, Schema, validate
 
+from common.fields import JsonNumber
 from worker.tasktypes.base import TaskContext, TaskType
-from worker.tasktypes.fields import JsonNumber
 
 MAX_SLEEP_SECONDS = 300
 # Added to the sleep for a task's default timeout: a late start of the handler is no timeout.

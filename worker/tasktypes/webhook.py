@@ -18,10 +18,10 @@ from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
+from common.fields import HTTP_FIELD_NAME, HTTP_FIELD_VALUE
 from worker.errors import PermanentTaskError
 from worker.tasktypes.base import TaskContext, TaskType
 from worker.tasktypes.deadline import SocketDeadline
-from worker.tasktypes.fields import HTTP_FIELD_NAME, HTTP_FIELD_VALUE
 
 # How much of a response body or header value an error message may quote: enough to diagnose,
 # never a whole page in `last_error`.

@@ -3,18 +3,15 @@
 `worker.settings` and `api.settings` are built on this module, so every variable is validated
 the same way and every error names its variable. A variable both process kinds read
 (`DATABASE_URL`, `DATABASE_POOL_MODE`, `LOG_LEVEL`, `LOG_FORMAT`, `STALE_AFTER_SECONDS`,
-`NOTIFY_CHANNEL` and the handlers' `SMTP_*`, `WEBHOOK_*`) is parsed here, with its one default.
+`NOTIFY_CHANNEL`) is parsed here, with its one default; the handlers' `SMTP_*` and
+`WEBHOOK_*` by `worker.tasktypes.HandlerConfig.from_env` with these parsers.
 
-In `worker` because the layers (api -> worker -> db) let the API import it and these are the
-worker's variables (leases, wake-ups, handlers); it imports nothing of the worker but
-`HandlerConfig`, which the API's settings hold anyway.
+In `common`, below both (layers api -> worker -> common -> db): it imports nothing of ours.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-
-from worker.tasktypes.base import HandlerConfig
 
 
 class SettingsError(ValueError):
@@ -142,20 +139,3 @@ def env_stale_after(env: Mapping[str, str]) -> float:
 def env_notify_channel(env: Mapping[str, str]) -> str:
     """`NOTIFY_CHANNEL`: the PostgreSQL channel that wakes idle workers."""
     return env_str(env, "NOTIFY_CHANNEL", DEFAULT_NOTIFY_CHANNEL)
-
-
-def env_handler_config(env: Mapping[str, str]) -> HandlerConfig:
-    """The handlers' settings (`SMTP_URL`, `SMTP_FROM`, `WEBHOOK_*`); defaults `HandlerConfig`'s.
-
-    The worker and the API, whose `POST /workers/process` runs the same handlers, both read
-    them here. Raises `SettingsError` naming the variable.
-    """
-    default = HandlerConfig()
-    return HandlerConfig(
-        smtp_url=env_str(env, "SMTP_URL", default.smtp_url),
-        smtp_from=env_str(env, "SMTP_FROM", default.smtp_from),
-        webhook_allow_private=env_bool(env, "WEBHOOK_ALLOW_PRIVATE", default.webhook_allow_private),
-        webhook_timeout=env_float(
-            env, "WEBHOOK_TIMEOUT_SECONDS", default.webhook_timeout, minimum=0.1, maximum=300
-        ),
-    )
