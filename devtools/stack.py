@@ -65,6 +65,17 @@ def children_of(pid: int) -> list[int]:
     return sorted(found)
 
 
+def exporter_pids(supervisor_log: str) -> set[int]:
+    """The metrics exporters a supervisor forked, from its log (it logs each after the fork)."""
+    return {int(pid) for pid in re.findall(r"metrics exporter (\d+) serving", supervisor_log)}
+
+
+def worker_children_of(pid: int, supervisor_log: str) -> list[int]:
+    """Live worker children of supervisor `pid`: its children but its metrics exporter."""
+    exporters = exporter_pids(supervisor_log)
+    return [child for child in children_of(pid) if child not in exporters]
+
+
 def parse_metrics(body: str) -> dict[str, float]:
     """Prometheus text -> {'name{labels}': value}, labels exactly as exposed."""
     samples: dict[str, float] = {}
@@ -244,8 +255,8 @@ class WorkerSupervisor(ManagedProcess):
         return parse_metrics(response.text)
 
     def children(self) -> list[int]:
-        """Its live children right now."""
-        return children_of(self.pid)
+        """Its live worker children right now (its metrics exporter left out)."""
+        return worker_children_of(self.pid, self.log())
 
     def wait_children(self, count: int, timeout: float = 30.0) -> list[int]:
         """Wait until it has `count` live children; return them."""

@@ -22,7 +22,7 @@ import pytest
 import requests
 from sqlalchemy import Engine, text
 
-from devtools.stack import children_of, parse_metrics
+from devtools.stack import children_of, parse_metrics, worker_children_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,8 +109,8 @@ class RunningSupervisor:
         return parse_metrics(response.text)
 
     def children(self) -> list[int]:
-        """Its live children right now."""
-        pids = children_of(self.pid)
+        """Its live worker children right now (its metrics exporter left out)."""
+        pids = worker_children_of(self.pid, self.log())
         self.seen_children.update(pids)
         return pids
 

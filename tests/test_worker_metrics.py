@@ -6,6 +6,7 @@ import json
 import math
 import os
 import signal
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 import requests
 from sqlalchemy import Engine, text
 
+from devtools.stack import exporter_pids
 from tests import supervisor_harness as harness
 from tests.factories import insert_company, insert_tasks
 from tests.supervisor_harness import StartSupervisor, wait_for
@@ -92,6 +94,55 @@ def test_health_answers_and_unknown_paths_are_404(supervisor: StartSupervisor) -
     assert "worker_children" in scrape.text
     sup.send(signal.SIGTERM)
     assert sup.wait(15) == 0
+
+
+def test_a_killed_exporter_is_replaced_and_the_port_answers_again(
+    supervisor: StartSupervisor,
+) -> None:
+    sup = supervisor("--concurrency", "1")
+    children = sup.wait_children(1)
+    base = f"http://127.0.0.1:{sup.port()}"
+    wait_for(lambda: sup.metrics()["worker_children"] == 1, 10, "the first scrape")
+    (first,) = exporter_pids(sup.log())
+
+    os.kill(first, signal.SIGKILL)
+
+    # The supervisor keeps the socket: a scrape sent meanwhile waits in its backlog.
+    scrape = requests.get(f"{base}/metrics", timeout=10)
+    assert scrape.status_code == 200
+    assert "worker_children 1.0" in scrape.text
+    assert exporter_pids(sup.log()) - {first}, "a second exporter"
+    assert f"metrics exporter {first} exited" in sup.log()
+    assert sup.children() == children, "worker children are not touched"
+    assert sup.metrics().get("worker_child_restarts_total", 0) == 0
+    sup.send(signal.SIGTERM)
+    assert sup.wait(15) == 0
+    assert not any(harness.is_alive(pid) for pid in exporter_pids(sup.log()))
+
+
+def test_a_scraper_that_sends_nothing_holds_up_no_other(supervisor: StartSupervisor) -> None:
+    sup = supervisor("--concurrency", "1")
+    port = sup.port()
+    with socket.create_connection(("127.0.0.1", port)) as silent:
+        silent.sendall(b"GET /metr")  # and nothing more
+        head = requests.head(f"http://127.0.0.1:{port}/metrics", timeout=3)
+        assert head.status_code == 200
+        assert head.headers["Content-Type"].startswith("text/plain")
+        assert head.content == b""
+        assert requests.get(f"http://127.0.0.1:{port}/metrics", timeout=3).status_code == 200
+    sup.send(signal.SIGTERM)
+    assert sup.wait(15) == 0
+
+
+def test_the_exporter_exits_when_its_supervisor_is_killed(supervisor: StartSupervisor) -> None:
+    sup = supervisor("--concurrency", "1")
+    sup.wait_children(1)
+    sup.port()
+    (exporter,) = exporter_pids(sup.log())
+
+    os.kill(sup.pid, signal.SIGKILL)
+
+    wait_for(lambda: not harness.is_alive(exporter), 10, "the orphaned exporter to exit")
 
 
 def test_every_task_type_has_its_series_at_zero_before_its_first_event() -> None:
@@ -179,6 +230,7 @@ def test_a_scrape_passes_over_the_empty_file_of_a_child_still_creating_it(
 ) -> None:
     # A child that has created its metrics file but not sized it yet: reading that file
     # failed the whole scrape with struct.error (prometheus/client_python#604).
+    from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
     from worker import metrics
@@ -189,10 +241,8 @@ def test_a_scrape_passes_over_the_empty_file_of_a_child_still_creating_it(
     written.close()  # type: ignore[no-untyped-call]
     (tmp_path / "counter_102.db").touch()
 
-    class NoMore:
-        def collect(self) -> list[Any]:
-            return []
-
-    body = metrics.render(tmp_path, NoMore()).decode()
+    registry = CollectorRegistry()
+    registry.register(metrics.FilesCollector(tmp_path))
+    body = generate_latest(registry).decode()
 
     assert "tasks_claimed_total 7.0" in body

@@ -5,29 +5,22 @@ supervisor imports it only after `common.metrics_dir.prepare` (metrics created o
 in one process's memory, invisible to the supervisor's scrape).
 
 Children record task metrics through `TaskMetrics` (one set per child, written to that
-child's files); the supervisor serves the sum over every child's files, plus the metrics only
-it knows (`worker_children`, `worker_child_restarts_total`, `worker_child_timeouts_total`),
-from `MetricsServer`, which its own select loop drives: no threads in a process that forks.
+child's files), the supervisor what only it knows through `SupervisorMetrics` (its own files);
+the supervisor's exporter process (`worker.exporter`) serves the sum over every file.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
-import json
 import logging
 import math
-import socket
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client import generate_latest as _generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
-from prometheus_client.registry import Collector
 
 log = logging.getLogger("fairq.worker.metrics")
 
@@ -165,42 +158,30 @@ def observe_all(histogram: Histogram, amounts: Sequence[float]) -> None:
         histogram._buckets[index].inc(count)
 
 
-class SupervisorCollector(Collector):
+class SupervisorMetrics:
     """`worker_children`, `worker_child_restarts_total` and `worker_child_timeouts_total`.
 
-    Read from the supervisor at scrape. The supervisor is the only process that knows them,
-    and it serves the scrape itself, so they need no multiprocess files (and no gauge mode
-    that a dead child could leave behind).
+    Create it in the supervisor, after `common.metrics_dir.prepare`: its values live in the
+    supervisor's own multiprocess files, which the exporter sums with the children's. The
+    gauge is `livesum`: it disappears with the supervisor's process.
     """
 
-    def __init__(
-        self, children: Callable[[], int], restarts: Callable[[], int], timeouts: Callable[[], int]
-    ) -> None:
-        self._children = children
-        self._restarts = restarts
-        self._timeouts = timeouts
-
-    def describe(self) -> list[Metric]:
-        """Nothing to describe ahead of a scrape."""
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        """Yield the current child count and the restart and timeout totals."""
-        yield GaugeMetricFamily(
+    def __init__(self) -> None:
+        self.children = Gauge(
             "worker_children",
             "Worker children alive (booting and retiring ones included, hung ones not).",
-            value=self._children(),
-        )
-        yield CounterMetricFamily(
+            multiprocess_mode="livesum", registry=None,
+        )  # fmt: skip
+        self.restarts = Counter(
             "worker_child_restarts",
             "Children that died unexpectedly, or gave up on a handler they could not stop at "
             "its timeout, and were replaced.",
-            value=self._restarts(),
+            registry=None,
         )  # fmt: skip
-        yield CounterMetricFamily(
+        self.timeouts = Counter(
             "worker_child_timeouts",
             "Hung children (silent for WORKER_CHILD_TIMEOUT_SECONDS) killed and replaced.",
-            value=self._timeouts(),
+            registry=None,
         )
 
 
@@ -229,165 +210,6 @@ def _has_content(path: Path) -> bool:
         return False
 
 
-def render(directory: Path, extra: Collector) -> bytes:
-    """The Prometheus text of every metrics file in `directory` plus `extra`'s metrics."""
-    registry = CollectorRegistry()
-    registry.register(FilesCollector(directory))
-    registry.register(extra)
-    return _generate_latest(registry)
-
-
 def forget_process(directory: Path, pid: int) -> None:
     """Drop the live-gauge files of dead process `pid`; its counters stay in the totals."""
     mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]  # untyped library
-
-
-# A scrape request is a few hundred bytes; anything this large is not one.
-_MAX_REQUEST_BYTES = 8192
-# A client that has not sent its request by then is dropped (it holds a file descriptor).
-_CLIENT_TIMEOUT_SECONDS = 5.0
-# Bounds how long one slow reader can hold up the supervisor loop while we send.
-_SEND_TIMEOUT_SECONDS = 2.0
-
-
-_REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    431: "Request Header Fields Too Large",
-    500: "Internal Server Error",
-}
-
-
-@dataclass
-class _Client:
-    sock: socket.socket
-    deadline: float
-    buffer: bytearray = field(default_factory=bytearray)
-
-
-class MetricsServer:
-    """A minimal HTTP server for `GET /metrics` and `GET /health`, driven by a select loop.
-
-    Not prometheus_client's: `start_http_server` serves from a thread (unsafe before fork),
-    and its thread-free path (wsgiref) reads requests blocking, so one slow client would
-    stall the supervisor's loop (decision 0004).
-
-    The owner polls `sockets()` for readability and passes the ready ones to `handle()`. One
-    request per connection (`Connection: close`); requests are read without blocking, and
-    the response is written with a short blocking send, so a stalled reader delays the owner
-    by at most `_SEND_TIMEOUT_SECONDS`. `port` is the bound port (useful with port 0).
-    """
-
-    def __init__(self, host: str, port: int, metrics: Callable[[], bytes]) -> None:
-        self._metrics = metrics
-        self._listener = socket.create_server((host, port), backlog=64)
-        self._listener.setblocking(False)
-        self._clients: dict[int, _Client] = {}
-
-    @property
-    def port(self) -> int:
-        """The port the server listens on."""
-        port: int = self._listener.getsockname()[1]
-        return port
-
-    def sockets(self) -> list[socket.socket]:
-        """The listening socket and every open client connection."""
-        return [self._listener, *(client.sock for client in self._clients.values())]
-
-    def handle(self, ready: Iterable[int]) -> None:
-        """Accept or serve the ready file descriptors that are ours; drop idle clients."""
-        for fd in ready:
-            if fd == self._listener.fileno():
-                self._accept()
-            elif fd in self._clients:
-                self._read(self._clients[fd])
-        now = time.monotonic()
-        for client in [c for c in self._clients.values() if c.deadline < now]:
-            self._drop(client)
-
-    def owns(self, fd: int) -> bool:
-        """Tell whether `fd` is the listener or one of our client connections."""
-        return fd == self._listener.fileno() or fd in self._clients
-
-    def close(self) -> None:
-        """Close the listener and every client connection."""
-        for client in list(self._clients.values()):
-            self._drop(client)
-        self._listener.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # e.g. EMFILE: keep serving the clients we have
-                log.warning("metrics server cannot accept: %s", exc)
-                return
-            sock.setblocking(False)
-            deadline = time.monotonic() + _CLIENT_TIMEOUT_SECONDS
-            self._clients[sock.fileno()] = _Client(sock, deadline)
-
-    def _read(self, client: _Client) -> None:
-        try:
-            chunk = client.sock.recv(4096)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._drop(client)
-            return
-        if not chunk:
-            self._drop(client)
-            return
-        client.buffer += chunk
-        if b"\r\n\r\n" in client.buffer or b"\n\n" in client.buffer:
-            self._respond(client)
-        elif len(client.buffer) > _MAX_REQUEST_BYTES:
-            self._send(client, 431, "text/plain", b"request header fields too large\n")
-
-    def _respond(self, client: _Client) -> None:
-        request_line = bytes(client.buffer).split(b"\n", 1)[0].decode("latin-1").strip()
-        parts = request_line.split()
-        if len(parts) < 2:
-            self._send(client, 400, "text/plain", b"bad request\n")
-            return
-        method, target = parts[0], parts[1]
-        path = target.split("?", 1)[0]
-        if method not in ("GET", "HEAD"):
-            self._send(client, 405, "text/plain", b"method not allowed\n", head=False)
-        elif path == "/metrics":
-            try:
-                body = self._metrics()
-            except Exception:  # a broken metrics file must not take the supervisor down
-                log.exception("rendering metrics failed")
-                self._send(client, 500, "text/plain", b"metrics unavailable\n")
-                return
-            self._send(client, 200, CONTENT_TYPE_LATEST, body, head=method == "HEAD")
-        elif path == "/health":
-            body = json.dumps({"status": "ok"}).encode() + b"\n"
-            self._send(client, 200, "application/json", body, head=method == "HEAD")
-        else:
-            self._send(client, 404, "text/plain", b"not found\n", head=method == "HEAD")
-
-    def _send(
-        self, client: _Client, status: int, content_type: str, body: bytes, *, head: bool = False
-    ) -> None:
-        reason = _REASONS[status]
-        header = (
-            f"HTTP/1.1 {status} {reason}\r\n"
-            f"Content-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\n"
-            "Connection: close\r\n\r\n"
-        ).encode("latin-1")
-        try:
-            client.sock.settimeout(_SEND_TIMEOUT_SECONDS)
-            client.sock.sendall(header if head else header + body)
-        except OSError as exc:
-            log.debug("metrics client went away: %s", exc)
-        self._drop(client)
-
-    def _drop(self, client: _Client) -> None:
-        self._clients.pop(client.sock.fileno(), None)
-        client.sock.close()

@@ -12,9 +12,9 @@ its `arbiter.py`. One single-threaded loop:
 - Then it reaps (`waitpid(-1, WNOHANG)` until nothing is left), kills retired children that
   outlived `shutdown_timeout` and hung children (`kill_hung`), and runs `reconcile()`, the
   one idempotent step that spawns missing children and retires the oldest surplus ones.
-- The same `poll()` serves the metrics port (`worker.metrics.MetricsServer`, hand-written:
-  prometheus_client's servers use a thread or block, decision 0004) and reads each child's
-  status pipe, on which a child reports that it booted or why it could not.
+- The same `poll()` reads each child's status pipe, on which a child reports that it booted
+  or why it could not. The metrics port is served by a side process, the exporter
+  (`worker.exporter`, decision 0004), which the loop keeps running as it keeps children.
 
 A child that gives up on a handler it cannot stop at its task's timeout exits with
 `child.HANDLER_STUCK` after writing what it owed, having named the task on its status pipe:
@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING
 
 from common import logging as fairq_logging
 from common import metrics_dir
-from worker import backoff, child
+from worker import backoff, child, exporter
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -193,7 +193,8 @@ class Supervisor:
         self._dead_holders: dict[str, float] = {}
         self._wake_r = -1
         self._wake_w = -1
-        self._server: metrics.MetricsServer | None = None
+        self._exporter: exporter.Exporter | None = None
+        self._metrics: metrics.SupervisorMetrics | None = None
         self._metrics_dir: Path | None = None
         self._stopping = False
 
@@ -218,6 +219,7 @@ class Supervisor:
                 self.kill_overdue()
                 self.kill_hung()
                 self.reconcile()
+                self._keep_exporting()
                 for signum in self._wait(self._tick_timeout()):
                     self._dispatch(signum)
                 if self._stop_requested():
@@ -235,6 +237,13 @@ class Supervisor:
             if self.children:  # only after an unexpected error: do not leave orphans behind
                 self.shutdown(QUICK_SHUTDOWN_SECONDS)
             self._teardown()
+
+    def _keep_exporting(self) -> None:
+        """Publish the child count and keep the metrics exporter running."""
+        if self._metrics is not None:
+            self._metrics.children.set(self.live_children())
+        if self._exporter is not None:
+            self._exporter.keep_running()
 
     def _stop_requested(self) -> bool:
         return self._stop is not None
@@ -257,17 +266,14 @@ class Supervisor:
         # its value storage from the variable then, for this process and every child.
         from worker import metrics  # noqa: PLC0415
 
-        collector = metrics.SupervisorCollector(
-            self.live_children, lambda: self.restarts, lambda: self.timeouts
-        )
+        self._metrics = metrics.SupervisorMetrics()
         host, port = self.settings.metrics_host, self.settings.metrics_port
         try:
-            self._server = metrics.MetricsServer(
-                host, port, lambda: metrics.render(directory, collector)
-            )
+            self._exporter = exporter.Exporter(host, port, directory, self._supervisor_fds)
         except OSError as exc:
             raise SupervisorError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
-        port = self._server.port
+        port = self._exporter.port
+        self._exporter.keep_running()  # before any child, so the port answers at once
         log.info("metrics and /health on http://%s:%d", self.settings.metrics_host, port)
         if self._metrics_port_file is not None:
             tmp = self._metrics_port_file.with_name(self._metrics_port_file.name + ".tmp")
@@ -275,9 +281,10 @@ class Supervisor:
             tmp.replace(self._metrics_port_file)  # readers never see a half-written file
 
     def _teardown(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        if self._exporter is not None:
+            self._exporter.stop()
+            self._exporter.close()
+            self._exporter = None
         signal.set_wakeup_fd(-1)
         for sig in SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
@@ -303,19 +310,13 @@ class Supervisor:
     def _missing_children(self) -> bool:
         return sum(1 for p in self.children.values() if not p.retiring) < self.desired
 
-    def _wait(self, timeout: float, *, serve: bool = True) -> list[int]:
-        """Sleep until a signal, child status, metrics request or `timeout`; return signals.
-
-        Child status pipes are always read; metrics clients only when `serve`.
-        """
+    def _wait(self, timeout: float) -> list[int]:
+        """Sleep until a signal, a child's status or `timeout`; return the signals."""
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
         status_fds = {p.status_fd: p for p in self.children.values() if p.status_fd >= 0}
         for fd in status_fds:
             poller.register(fd, select.POLLIN)
-        if serve and self._server is not None:
-            for sock in self._server.sockets():
-                poller.register(sock, select.POLLIN)
         try:
             events = poller.poll(max(0, int(timeout * 1000)))
         except InterruptedError:  # pragma: no cover  (PEP 475 retries; kept for safety)
@@ -327,8 +328,6 @@ class Supervisor:
         for fd in ready:
             if fd in status_fds:
                 self._read_status(status_fds[fd])
-        if serve and self._server is not None:
-            self._server.handle(fd for fd in ready if self._server.owns(fd))
         return signals
 
     def _drain_wakeups(self) -> list[int]:
@@ -402,6 +401,9 @@ class Supervisor:
                 return
             if pid == 0:
                 return
+            if self._exporter is not None and self._exporter.owns(pid):
+                self._exporter.exited(status)
+                continue
             proc = self.children.pop(pid, None)
             if proc is None:
                 continue
@@ -433,6 +435,8 @@ class Supervisor:
             )  # fmt: skip
             return
         self.restarts += 1
+        if self._metrics is not None:
+            self._metrics.restarts.inc()
         if code == child.BOOT_ERROR:
             self._on_boot_failure(proc, now)
             return
@@ -527,6 +531,8 @@ class Supervisor:
                 continue
             proc.hung = True
             self.timeouts += 1
+            if self._metrics is not None:
+                self._metrics.timeouts.inc()
             log.error(
                 "child %d gave no sign of life for %.1fs (WORKER_CHILD_TIMEOUT_SECONDS=%g): "
                 "stopped or stuck; killing it", proc.pid, silent, self.settings.child_timeout,
@@ -660,14 +666,8 @@ class Supervisor:
         try:
             # First: nothing of the supervisor may run here (handlers, wakeup pipe, sockets).
             child.reset_inherited_signals()
-            for fd in (*parents_ends, self._wake_r, self._wake_w):
+            for fd in (*parents_ends, *self._supervisor_fds()):
                 os.close(fd)
-            if self._server is not None:
-                self._server.close()
-            for proc in self.children.values():
-                for fd in (proc.status_fd, proc.alive_fd):
-                    if fd >= 0:
-                        os.close(fd)
             code = self._child_main(self.settings, inherited)
         except BaseException:
             log.exception("child %d crashed", os.getpid())
@@ -675,6 +675,16 @@ class Supervisor:
         finally:
             fairq_logging.flush()
             os._exit(code)
+
+    def _supervisor_fds(self) -> list[int]:
+        """What a forked process must close: the wake-up pipe, the metrics listener, and the
+        supervisor's ends of every child's pipes."""
+        fds = [self._wake_r, self._wake_w]
+        if self._exporter is not None:
+            fds.append(self._exporter.fileno())
+        for proc in self.children.values():
+            fds.extend(fd for fd in (proc.status_fd, proc.alive_fd) if fd >= 0)
+        return fds
 
     def _read_status(self, proc: ChildProcess) -> None:
         if proc.status_fd < 0:
@@ -738,7 +748,7 @@ class Supervisor:
             now = time.monotonic()
             if not self.children or now >= deadline:
                 break
-            for signum in self._wait(min(STOP_REAP_INTERVAL_SECONDS, deadline - now), serve=False):
+            for signum in self._wait(min(STOP_REAP_INTERVAL_SECONDS, deadline - now)):
                 if signum == signal.SIGQUIT:
                     log.info("received SIGQUIT while stopping: cutting the grace short")
                     deadline = min(deadline, time.monotonic() + QUICK_SHUTDOWN_SECONDS)
@@ -754,7 +764,7 @@ class Supervisor:
         while self.children and time.monotonic() < deadline:
             self.reap()
             if self.children:
-                self._wait(STOP_REAP_INTERVAL_SECONDS, serve=False)
+                self._wait(STOP_REAP_INTERVAL_SECONDS)
         for pid in self.children:
             log.error("child %d did not die after SIGKILL; giving up on it", pid)
 
