@@ -556,6 +556,14 @@ def test_alerts_cover_backlog_failures_workers_and_api_errors(
     assert 'status=~"5.."' in api_errors["expr"]
 
 
+def test_every_alert_is_explained_in_the_readme_with_its_severity(
+    alert_rules: list[dict[str, Any]],
+) -> None:
+    readme = (ROOT / "README.md").read_text()
+    for rule in alert_rules:
+        assert f"| `{rule['alert']}` ({rule['labels']['severity']}) |" in readme, rule["alert"]
+
+
 def test_alert_jobs_exist_in_the_scrape_config(
     alert_rules: list[dict[str, Any]], prometheus: dict[str, Any]
 ) -> None:
