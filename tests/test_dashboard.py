@@ -419,8 +419,7 @@ def test_the_overview_shows_the_queue_the_workers_holding_leases_and_the_longest
     assert response.status_code == 200
     shown = page_text(response)
     assert "Runnable 3 pending tasks due now" in shown
-    assert "Oldest runnable wait 2 h 0 min" in shown
-    assert "at dash-overview-waiting" in shown
+    assert "Waiting for a worker 2 h 0 min oldest of 1 company" in shown
     assert re.search(r"host-a:4242 1 \S*\s*\d+(\.\d)? s ago", shown), shown
     assert 'data-refresh-seconds="5"' in response.get_data(as_text=True)
     assert "Longest waiting Company Oldest wait Backlog dash-overview-waiting" in shown
@@ -448,6 +447,8 @@ def test_the_overview_tells_work_waiting_for_workers_from_work_held_by_a_pause_o
     shown = page_text(response)
     assert re.search(r"Waiting for a worker 1 2 1 min \d+ s", shown), shown
     assert "Held: paused 1 3 2 h 0 min" in shown
+    # The paused company's two hours are no wait for a worker.
+    assert re.search(r"Waiting for a worker 1 min \d+ s oldest of 1 company", shown), shown
     assert re.search(r"Held: at max_in_flight 1 4 10 min \d+ s", shown), shown
     assert "Oldest transaction holding back cleanup:" in shown
     assert re.search(r"tasks [\d,]+ [\d,]+", shown), shown

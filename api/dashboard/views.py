@@ -323,6 +323,7 @@ def overview() -> ResponseReturnValue:
         series=series,
         chart=chart,
         holders=holders,
+        # In `Hold`'s order: waiting for a worker first.
         waiting=[(hold, waiting[hold]) for hold in queue_health.Hold],
         tables=tables,
         cleanup_held_seconds=cleanup_held_seconds,
