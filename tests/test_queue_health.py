@@ -15,7 +15,12 @@ from api.metrics import QueueCollector
 from db import queue_health
 from db.engine import driver_connection, make_sessionmaker
 from db.queue_health import Hold, Waiting
-from tests.factories import insert_company, insert_task, insert_weighted_company
+from tests.factories import (
+    insert_company,
+    insert_delayed_tasks,
+    insert_task,
+    insert_weighted_company,
+)
 
 
 def add(session: Session, company: uuid.UUID, count: int, **values: Any) -> None:
@@ -158,3 +163,44 @@ def test_dead_row_versions_of_the_queue_tables_are_reported(fresh_engine: Engine
     assert set(values["queue_table_dead_tuples"]) == set(queue_health.QUEUE_TABLES)
     assert values["queue_table_dead_tuples"]["tasks"] >= 20
     assert values["queue_table_live_tuples"]["tasks"] == 20
+
+
+def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+    return [node, *(n for child in node.get("Plans", []) for n in _nodes(child))]
+
+
+def test_the_split_reads_one_entry_per_due_company_and_leases_up_to_the_limit(
+    db_session: Session,
+) -> None:
+    """20,000 tasks due tomorrow are never read; a limited company's 50 leases are read up to 2."""
+    delayed = insert_company(db_session, "delayed").id
+    insert_delayed_tasks(db_session, delayed, 20_000)
+    due(db_session, delayed, 1, 60)
+    others = [insert_company(db_session, f"c{i}").id for i in range(4)]
+    for company in others:
+        due(db_session, company, 3, 60)
+    limited = insert_weighted_company(db_session, "limited", max_in_flight=2).id
+    leased(db_session, limited, 50)
+    due(db_session, limited, 1, 60)
+    db_session.execute(text("ANALYZE tasks, companies, company_queues, company_backlogs"))
+    due_companies = db_session.scalar(
+        text("SELECT count(*) FROM company_queues WHERE due_at <= now()")
+    )
+
+    [(explained,)] = driver_connection(db_session).execute(
+        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + queue_health._WAITING
+    )
+    [plan] = explained
+
+    nodes = _nodes(plan["Plan"])
+    [pending] = [n for n in nodes if n.get("Index Name") == "ix_tasks_pending_company_run_after"]
+    assert pending["Actual Loops"] == due_companies >= 6
+    assert pending["Actual Rows"] <= 1
+    assert pending.get("Rows Removed by Filter", 0) == 0
+    [leases] = [n for n in nodes if n.get("Index Name") == "ix_tasks_processing_company_locked_at"]
+    # Actual Rows is a mean per loop: the limited company's 2 (its limit, not its 50 leases)
+    # and every other company's none.
+    assert leases["Actual Rows"] * leases["Actual Loops"] <= 2 + 1
+    assert rounded(queue_health.waiting(driver_connection(db_session)))[Hold.MAX_IN_FLIGHT] == (
+        1, 1 + 50 - 2, 1,
+    )  # fmt: skip
