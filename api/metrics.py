@@ -65,7 +65,7 @@ OLDEST_XMIN_HOLDER_HELP = (
 OLDEST_ELIGIBLE_HELP = (
     "Age of the oldest pending task that may run now (now - run_after), in seconds, paused "
     "companies and companies at their max_in_flight included. Deprecated: alert on "
-    "oldest_runnable_pending_age_seconds instead; removed in the release after next."
+    "oldest_runnable_pending_age_seconds instead; removed in the next release."
 )
 
 OLDEST_RUNNABLE_HELP = (
@@ -84,9 +84,9 @@ DUE_COMPANIES_HELP = (
     "paused, or max_in_flight (leases >= max_in_flight at the scrape)."
 )
 
-DUE_PENDING_HELP = (
-    "Pending tasks (due or not) of the companies with a due pending task, by what holds those "
-    "companies, as due_companies."
+DUE_BACKLOG_HELP = (
+    "Unfinished tasks (pending, due or not, plus processing) of the companies with a due "
+    "pending task, by what holds those companies, as due_companies."
 )
 
 TABLE_DEAD_HELP = (
@@ -100,7 +100,7 @@ TABLE_LIVE_HELP = "Live rows of a queue table (pg_stat_user_tables.n_live_tup). 
 class QueueCollector(Collector):
     """`tasks_by_status{status}`, the waiting work split by what holds it
     (`oldest_runnable_pending_age_seconds`, `oldest_held_pending_age_seconds{reason}`,
-    `due_companies{reason}`, `due_pending_tasks{reason}`; and the deprecated
+    `due_companies{reason}`, `due_backlog_tasks{reason}`; and the deprecated
     `oldest_eligible_pending_age_seconds`), and the spiral's predictors from the database
     (`oldest_xmin_holder_age_seconds`, `queue_table_dead_tuples{table}`,
     `queue_table_live_tuples{table}`), read per scrape.
@@ -173,12 +173,12 @@ def _waiting_metrics(waiting: dict[queue_health.Hold, queue_health.Waiting]) -> 
         held.add_metric([hold.value], waiting[hold].oldest_seconds)
     yield held
     companies = GaugeMetricFamily("due_companies", DUE_COMPANIES_HELP, labels=["reason"])
-    pending = GaugeMetricFamily("due_pending_tasks", DUE_PENDING_HELP, labels=["reason"])
+    backlog = GaugeMetricFamily("due_backlog_tasks", DUE_BACKLOG_HELP, labels=["reason"])
     for hold, figures in waiting.items():
         companies.add_metric([hold.value], figures.companies)
-        pending.add_metric([hold.value], figures.pending)
+        backlog.add_metric([hold.value], figures.backlog)
     yield companies
-    yield pending
+    yield backlog
     yield GaugeMetricFamily(
         "oldest_eligible_pending_age_seconds",
         OLDEST_ELIGIBLE_HELP,

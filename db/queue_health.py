@@ -11,7 +11,7 @@ the snapshot's age (`db.statistics.oldest_xmin_holder_age`).
 
 Read-only, in the target style: functions take a `psycopg.Connection`, never commit; the
 caller owns the transaction and its statement timeout. Costs: `waiting` one index probe per
-company with due work plus their leases (at most as many as the fleet holds), O(companies)
+company with due work, plus at most `max_in_flight` index entries per limited one: O(companies)
 as the oldest-eligible gauge; `table_tuples` reads the statistics views only.
 """
 
@@ -50,13 +50,14 @@ QUEUE_TABLES = ("tasks", "company_queues", "company_backlogs")
 class Waiting:
     """Companies with due work of one `Hold`, as of the transaction's `now()`.
 
-    `companies`: those with a pending task whose `run_after` has come; `pending`: their
-    pending tasks, due or not (exact: backlog minus leases); `oldest_seconds`: how long the
-    oldest of their due tasks has waited since its `run_after` (0.0 when there is none).
+    `companies`: those with a pending task whose `run_after` has come; `backlog`: their
+    unfinished tasks (pending, due or not, plus processing: `company_backlogs`, exact);
+    `oldest_seconds`: how long the oldest of their due tasks has waited since its
+    `run_after` (0.0 when there is none).
     """
 
     companies: int
-    pending: int
+    backlog: int
     oldest_seconds: float
 
 
@@ -73,31 +74,31 @@ class TableTuples:
 # One row per company whose due_at has come (a lower bound of its earliest pending
 # run_after, so no company with due work is missed): its oldest due task (the first entry of
 # its runnable range of ix_tasks_pending_company_run_after; none when due_at was stale), its
-# leases (index-only over ix_tasks_processing_company_locked_at; for a limited company that
-# is not paused, at most max_in_flight, as the claim counts them: LIMIT NULL is no limit),
-# and its backlog. The leases read in all are at most the fleet's.
+# backlog, and, only for a limited company that is not paused (CASE evaluates the subquery
+# for no other), its leases up to its limit, index-only over
+# ix_tasks_processing_company_locked_at, as the claim counts them. Paused and max_in_flight
+# are company_queues' copies of the companies' (kept by triggers, read by the claim too).
 _WAITING = """
 /* queue_health.waiting */
-SELECT w.hold, count(*) AS companies, coalesce(sum(w.pending), 0) AS pending,
+SELECT w.hold, count(*) AS companies, coalesce(sum(w.backlog), 0) AS backlog,
        coalesce(CAST(extract(epoch FROM now() - min(w.run_after)) AS float8), 0) AS oldest
-FROM (SELECT CASE WHEN c.paused THEN 'paused'
-                  WHEN c.max_in_flight IS NOT NULL AND l.leases >= c.max_in_flight
+FROM (SELECT CASE WHEN q.paused THEN 'paused'
+                  WHEN q.max_in_flight IS NOT NULL
+                       AND (SELECT count(*)
+                            FROM (SELECT FROM tasks t
+                                  WHERE t.company_id = q.company_id
+                                    AND t.status = 'processing'
+                                  LIMIT q.max_in_flight) AS leases) >= q.max_in_flight
                       THEN 'max_in_flight'
                   ELSE 'none' END AS hold,
              o.run_after,
-             b.unfinished - l.leases AS pending
+             b.unfinished AS backlog
       FROM company_queues q
-      JOIN companies c ON c.id = q.company_id
       JOIN company_backlogs b ON b.company_id = q.company_id
       CROSS JOIN LATERAL (SELECT t.run_after FROM tasks t
                           WHERE t.company_id = q.company_id AND t.status = 'pending'
                             AND t.run_after <= now()
                           ORDER BY t.run_after LIMIT 1) AS o
-      CROSS JOIN LATERAL (SELECT count(*) AS leases
-                          FROM (SELECT FROM tasks t
-                                WHERE t.company_id = q.company_id AND t.status = 'processing'
-                                LIMIT CASE WHEN c.paused THEN NULL ELSE c.max_in_flight END)
-                               AS p) AS l
       WHERE q.due_at <= now()) AS w
 GROUP BY w.hold
 """
@@ -112,17 +113,13 @@ ORDER BY s.relname
 
 
 def waiting(connection: psycopg.Connection[Any]) -> dict[Hold, Waiting]:
-    """Companies with due work, by what holds them (`Hold`), every `Hold` present.
-
-    A limited company's pending count subtracts at most `max_in_flight` leases: exact while
-    it holds no more (the claim never gives it more; a lowered limit can leave it above).
-    """
-    result = {hold: Waiting(companies=0, pending=0, oldest_seconds=0.0) for hold in Hold}
+    """Companies with due work, by what holds them (`Hold`), every `Hold` present."""
+    result = {hold: Waiting(companies=0, backlog=0, oldest_seconds=0.0) for hold in Hold}
     with connection.cursor(row_factory=dict_row) as cursor:
         for row in cursor.execute(_WAITING):
             result[Hold(row["hold"])] = Waiting(
                 companies=int(row["companies"]),
-                pending=int(row["pending"]),
+                backlog=int(row["backlog"]),
                 oldest_seconds=float(row["oldest"]),
             )
     return result

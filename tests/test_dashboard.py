@@ -449,7 +449,7 @@ def test_the_overview_tells_work_waiting_for_workers_from_work_held_by_a_pause_o
     assert "Held: paused 1 3 2 h 0 min" in shown
     # The paused company's two hours are no wait for a worker.
     assert re.search(r"Waiting for a worker 1 min \d+ s oldest of 1 company", shown), shown
-    assert re.search(r"Held: at max_in_flight 1 4 10 min \d+ s", shown), shown
+    assert re.search(r"Held: at max_in_flight 1 5 10 min \d+ s", shown), shown
     assert "Oldest transaction holding back cleanup:" in shown
     assert re.search(r"tasks [\d,]+ [\d,]+", shown), shown
     assert "company_queues" in shown

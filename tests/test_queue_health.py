@@ -65,9 +65,9 @@ def build_mixed_queue(session: Session) -> None:
 
 
 def rounded(waiting: dict[Hold, Waiting]) -> dict[Hold, tuple[int, int, int]]:
-    """Each hold's companies, pending tasks, and oldest wait in whole minutes."""
+    """Each hold's companies, backlog, and oldest wait in whole minutes."""
     return {
-        hold: (w.companies, w.pending, int(w.oldest_seconds // 60)) for hold, w in waiting.items()
+        hold: (w.companies, w.backlog, int(w.oldest_seconds // 60)) for hold, w in waiting.items()
     }
 
 
@@ -79,10 +79,10 @@ def test_due_work_is_split_into_waiting_for_workers_paused_and_at_the_limit(
     waiting = queue_health.waiting(driver_connection(db_session))
 
     assert rounded(waiting) == {
-        # free (4 pending: its delayed task counts, its lease does not) and below its limit.
-        Hold.NONE: (2, 5, 1),
+        # free (5 unfinished: its delayed task and its lease count too) and below its limit.
+        Hold.NONE: (2, 7, 1),
         Hold.PAUSED: (1, 2, 120),
-        Hold.MAX_IN_FLIGHT: (1, 2, 60),
+        Hold.MAX_IN_FLIGHT: (1, 3, 60),
     }
 
 
@@ -94,8 +94,7 @@ def test_a_paused_company_at_its_limit_is_held_by_its_pause(db_session: Session)
 
     waiting = queue_health.waiting(driver_connection(db_session))
 
-    # Every lease is subtracted (3, not the limit's 1): a paused company's are all counted.
-    assert rounded(waiting)[Hold.PAUSED] == (1, 2, 1)
+    assert rounded(waiting)[Hold.PAUSED] == (1, 5, 1)
     assert waiting[Hold.MAX_IN_FLIGHT] == Waiting(0, 0, 0.0)
     assert waiting[Hold.NONE] == Waiting(0, 0, 0.0)
 
@@ -127,7 +126,7 @@ def test_the_backlog_gauge_counts_only_work_waiting_for_workers(fresh_engine: En
     assert 7200 <= values["oldest_held_pending_age_seconds"]["paused"] < 7260
     assert 3600 <= values["oldest_held_pending_age_seconds"]["max_in_flight"] < 3660
     assert values["due_companies"] == {"none": 2, "paused": 1, "max_in_flight": 1}
-    assert values["due_pending_tasks"] == {"none": 5, "paused": 2, "max_in_flight": 2}
+    assert values["due_backlog_tasks"] == {"none": 7, "paused": 2, "max_in_flight": 3}
     # The deprecated gauge still reports the oldest of all, paused included.
     assert 7200 <= values["oldest_eligible_pending_age_seconds"][""] < 7260
 
@@ -172,7 +171,7 @@ def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
 def test_the_split_reads_one_entry_per_due_company_and_leases_up_to_the_limit(
     db_session: Session,
 ) -> None:
-    """20,000 tasks due tomorrow are never read; a limited company's 50 leases are read up to 2."""
+    """20,000 tasks due tomorrow are never read; leases only of a limited company, up to 2."""
     delayed = insert_company(db_session, "delayed").id
     insert_delayed_tasks(db_session, delayed, 20_000)
     due(db_session, delayed, 1, 60)
@@ -198,9 +197,8 @@ def test_the_split_reads_one_entry_per_due_company_and_leases_up_to_the_limit(
     assert pending["Actual Rows"] <= 1
     assert pending.get("Rows Removed by Filter", 0) == 0
     [leases] = [n for n in nodes if n.get("Index Name") == "ix_tasks_processing_company_locked_at"]
-    # Actual Rows is a mean per loop: the limited company's 2 (its limit, not its 50 leases)
-    # and every other company's none.
-    assert leases["Actual Rows"] * leases["Actual Loops"] <= 2 + 1
+    # Scanned for the limited company alone, and up to its limit, not its 50 leases.
+    assert (leases["Actual Loops"], leases["Actual Rows"]) == (1, 2)
     assert rounded(queue_health.waiting(driver_connection(db_session)))[Hold.MAX_IN_FLIGHT] == (
-        1, 1 + 50 - 2, 1,
+        1, 51, 1,
     )  # fmt: skip
