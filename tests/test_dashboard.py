@@ -807,7 +807,8 @@ def test_the_backlog_and_runnable_figures_say_what_they_count(
     backlog = "Unfinished tasks: pending (due now or scheduled for later) plus processing"
     runnable = "Pending tasks due now (not scheduled for later, not backing off)"
     overview, listing, page = pages
-    assert overview.count(f'title="{backlog}') == 3  # both rankings' column, "Largest backlogs"
+    # Both rankings' column, "Largest backlogs", and the column of "Why due work waits".
+    assert overview.count(f'title="{backlog}') == 4
     assert overview.count(f'title="{runnable}') == 1
     assert listing.count(f'title="{backlog}') == 1
     assert page.count(f'title="{backlog}') == page.count(f'title="{runnable}') == 1
