@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from flask import Flask, Request
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -21,7 +22,7 @@ from prometheus_flask_exporter import PrometheusMetrics
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from db import statistics
+from db import queue_health, statistics
 from worker import tasktypes
 from worker.metrics import FilesCollector, TaskMetrics
 
@@ -61,10 +62,48 @@ OLDEST_XMIN_HOLDER_HELP = (
     "sessions unless the API's role has pg_read_all_stats."
 )
 
+OLDEST_ELIGIBLE_HELP = (
+    "Age of the oldest pending task that may run now (now - run_after), in seconds, paused "
+    "companies and companies at their max_in_flight included. Deprecated: alert on "
+    "oldest_runnable_pending_age_seconds instead; removed in the next release."
+)
+
+OLDEST_RUNNABLE_HELP = (
+    "Age of the oldest due pending task (now - run_after) of the companies neither paused nor "
+    "at their max_in_flight, in seconds; 0 if none: work waiting because workers are short."
+)
+
+OLDEST_HELD_HELP = (
+    "Age of the oldest due pending task (now - run_after) of the companies held back by their "
+    "own pause (reason=paused) or limit (reason=max_in_flight: its leases >= max_in_flight), "
+    "in seconds; 0 if none."
+)
+
+DUE_COMPANIES_HELP = (
+    "Companies with a due pending task, by what holds them: none (waiting for a worker), "
+    "paused, or max_in_flight (leases >= max_in_flight at the scrape)."
+)
+
+DUE_BACKLOG_HELP = (
+    "Unfinished tasks (pending, due or not, plus processing) of the companies with a due "
+    "pending task, by what holds those companies, as due_companies."
+)
+
+TABLE_DEAD_HELP = (
+    "Dead row versions of a queue table (pg_stat_user_tables.n_dead_tup): left by claims and "
+    "finalizations, removed by VACUUM unless a snapshot holds them. Approximate."
+)
+
+TABLE_LIVE_HELP = "Live rows of a queue table (pg_stat_user_tables.n_live_tup). Approximate."
+
 
 class QueueCollector(Collector):
-    """`tasks_by_status{status}`, `oldest_eligible_pending_age_seconds` and
-    `oldest_xmin_holder_age_seconds`, read per scrape.
+    """`tasks_by_status{status}`, the waiting work split by what holds it
+    (`oldest_runnable_pending_age_seconds`, `oldest_held_pending_age_seconds{reason}`,
+    `due_companies{reason}`, `due_backlog_tasks{reason}`; and the deprecated
+    `oldest_eligible_pending_age_seconds`), and the spiral's predictors from the database
+    (`oldest_xmin_holder_age_seconds`, `queue_table_dead_tuples{table}`,
+    `queue_table_live_tuples{table}`), read per scrape.
 
     The queries (`db.statistics`, bounded in cost whatever the table's size) run under
     `statement_timeout` (`timeout_ms`); on any database error the collector yields nothing,
@@ -97,23 +136,54 @@ class QueueCollector(Collector):
                 counts = statistics.tasks_by_status(
                     conn, live_limit=self._live_limit, terminal_limit=self._terminal_limit
                 )
-                oldest = statistics.oldest_eligible_pending_age(conn)
                 holder = statistics.oldest_xmin_holder_age(conn)
-        except SQLAlchemyError as exc:
+                driver = conn.connection.driver_connection
+                assert isinstance(driver, psycopg.Connection)
+                waiting = queue_health.waiting(driver)
+                tables = queue_health.table_tuples(driver)
+        except (SQLAlchemyError, psycopg.Error) as exc:
             log.warning("queue metrics skipped: %s", exc.__class__.__name__)
             return
         by_status = GaugeMetricFamily("tasks_by_status", TASKS_BY_STATUS_HELP, labels=["status"])
         for status, value in counts.items():
             by_status.add_metric([status.value], value)
         yield by_status
-        yield GaugeMetricFamily(
-            "oldest_eligible_pending_age_seconds",
-            "Age of the oldest pending task that may run now (now - run_after), in seconds.",
-            value=oldest,
-        )
+        yield from _waiting_metrics(waiting)
         yield GaugeMetricFamily(
             "oldest_xmin_holder_age_seconds", OLDEST_XMIN_HOLDER_HELP, value=holder
         )
+        dead = GaugeMetricFamily("queue_table_dead_tuples", TABLE_DEAD_HELP, labels=["table"])
+        live = GaugeMetricFamily("queue_table_live_tuples", TABLE_LIVE_HELP, labels=["table"])
+        for table in tables:
+            dead.add_metric([table.table], table.dead)
+            live.add_metric([table.table], table.live)
+        yield dead
+        yield live
+
+
+def _waiting_metrics(waiting: dict[queue_health.Hold, queue_health.Waiting]) -> Iterator[Metric]:
+    """The gauges of the due work by what holds it (`db.queue_health.waiting`)."""
+    yield GaugeMetricFamily(
+        "oldest_runnable_pending_age_seconds",
+        OLDEST_RUNNABLE_HELP,
+        value=waiting[queue_health.Hold.NONE].oldest_seconds,
+    )
+    held = GaugeMetricFamily("oldest_held_pending_age_seconds", OLDEST_HELD_HELP, labels=["reason"])
+    for hold in queue_health.HELD:
+        held.add_metric([hold.value], waiting[hold].oldest_seconds)
+    yield held
+    companies = GaugeMetricFamily("due_companies", DUE_COMPANIES_HELP, labels=["reason"])
+    backlog = GaugeMetricFamily("due_backlog_tasks", DUE_BACKLOG_HELP, labels=["reason"])
+    for hold, figures in waiting.items():
+        companies.add_metric([hold.value], figures.companies)
+        backlog.add_metric([hold.value], figures.backlog)
+    yield companies
+    yield backlog
+    yield GaugeMetricFamily(
+        "oldest_eligible_pending_age_seconds",
+        OLDEST_ELIGIBLE_HELP,
+        value=max(figures.oldest_seconds for figures in waiting.values()),
+    )
 
 
 class _Metrics(PrometheusMetrics):  # type: ignore[misc]  # untyped library

@@ -419,11 +419,41 @@ def test_the_overview_shows_the_queue_the_workers_holding_leases_and_the_longest
     assert response.status_code == 200
     shown = page_text(response)
     assert "Runnable 3 pending tasks due now" in shown
-    assert "Oldest runnable wait 2 h 0 min" in shown
-    assert "at dash-overview-waiting" in shown
+    assert "Waiting for a worker 2 h 0 min oldest of 1 company" in shown
     assert re.search(r"host-a:4242 1 \S*\s*\d+(\.\d)? s ago", shown), shown
     assert 'data-refresh-seconds="5"' in response.get_data(as_text=True)
     assert "Longest waiting Company Oldest wait Backlog dash-overview-waiting" in shown
+
+
+def test_the_overview_tells_work_waiting_for_workers_from_work_held_by_a_pause_or_a_limit(
+    operator: FlaskClient,
+    make_company: MakeCompany,
+    make_weighted_company: MakeCompany,
+    make_task: MakeTask,
+    db_session: Session,
+) -> None:
+    free = make_company("dash-free")
+    insert_tasks(db_session, free.id, 2, newest_age_seconds=60)
+    paused = make_company("dash-paused")
+    insert_tasks(db_session, paused.id, 3, newest_age_seconds=7200)
+    db_session.execute(text("UPDATE companies SET paused = true WHERE id = :id"), {"id": paused.id})
+    full = make_weighted_company("dash-full", max_in_flight=1)
+    insert_tasks(db_session, full.id, 4, newest_age_seconds=600)
+    make_task(full.id, status="processing", lease_token=uuid.uuid4(), locked_at=text("now()"))
+
+    response = operator.get("/dashboard/")
+
+    assert response.status_code == 200
+    shown = page_text(response)
+    assert re.search(r"Waiting for a worker 1 2 1 min \d+ s", shown), shown
+    assert "Held: paused 1 3 2 h 0 min" in shown
+    # The paused company's two hours are no wait for a worker.
+    assert re.search(r"Waiting for a worker 1 min \d+ s oldest of 1 company", shown), shown
+    assert re.search(r"Held: at max_in_flight 1 5 10 min \d+ s", shown), shown
+    assert "Oldest transaction holding back cleanup:" in shown
+    assert re.search(r"tasks [\d,]+ [\d,]+", shown), shown
+    assert "company_queues" in shown
+    assert "claim_duration_seconds" in shown
 
 
 def test_the_overview_chart_carries_a_point_per_minute_of_the_last_hour(
@@ -777,7 +807,8 @@ def test_the_backlog_and_runnable_figures_say_what_they_count(
     backlog = "Unfinished tasks: pending (due now or scheduled for later) plus processing"
     runnable = "Pending tasks due now (not scheduled for later, not backing off)"
     overview, listing, page = pages
-    assert overview.count(f'title="{backlog}') == 3  # both rankings' column, "Largest backlogs"
+    # Both rankings' column, "Largest backlogs", and the column of "Why due work waits".
+    assert overview.count(f'title="{backlog}') == 4
     assert overview.count(f'title="{runnable}') == 1
     assert listing.count(f'title="{backlog}') == 1
     assert page.count(f'title="{backlog}') == page.count(f'title="{runnable}') == 1

@@ -35,6 +35,7 @@ DOCKERIGNORE = ROOT / "deploy" / "Dockerfile.dockerignore"
 ENTRYPOINT = ROOT / "deploy" / "entrypoint.sh"
 PROMETHEUS_FILE = ROOT / "deploy" / "prometheus.yml"
 ALERTS_FILE = ROOT / "deploy" / "alerts.yml"
+ALERT_TESTS_FILE = ROOT / "deploy" / "alerts_test.yml"
 DASHBOARD_FILE = ROOT / "deploy" / "grafana" / "dashboard.json"
 GRAFANA_PROVISIONING = ROOT / "deploy" / "grafana" / "provisioning"
 
@@ -72,7 +73,13 @@ _COUNTERS = (
 _GAUGES = (
     "tasks_by_status",
     "oldest_eligible_pending_age_seconds",
+    "oldest_runnable_pending_age_seconds",
+    "oldest_held_pending_age_seconds",
+    "due_companies",
+    "due_backlog_tasks",
     "oldest_xmin_holder_age_seconds",
+    "queue_table_dead_tuples",
+    "queue_table_live_tuples",
     "worker_children",
     "up",
 )
@@ -86,7 +93,9 @@ ALLOWED_METRICS: Final = frozenset(
     | {f"{name}_{suffix}" for name in _HISTOGRAMS for suffix in ("bucket", "sum", "count")}
 )
 # Labels those metrics carry (bounded values only, design §7), plus Prometheus's target labels.
-ALLOWED_LABELS: Final = frozenset({"type", "status", "method", "url_rule", "le", "job", "instance"})
+ALLOWED_LABELS: Final = frozenset(
+    {"type", "status", "reason", "table", "method", "url_rule", "le", "job", "instance"}
+)
 
 _PROMQL_KEYWORDS = frozenset(
     {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset"}
@@ -513,7 +522,7 @@ def test_alert_rules_are_complete(alert_rules: list[dict[str, Any]]) -> None:
         assert isinstance(rule["expr"], str), rule["alert"]
         assert rule["expr"].strip(), rule["alert"]
         seconds(str(rule["for"]))
-        assert rule["labels"]["severity"] in {"warning", "critical"}, rule["alert"]
+        assert rule["labels"]["severity"] in {"info", "warning", "critical"}, rule["alert"]
         assert rule["annotations"]["summary"].strip(), rule["alert"]
         assert rule["annotations"]["description"].strip(), rule["alert"]
         assert_balanced(rule["expr"])
@@ -527,8 +536,13 @@ def test_alerts_cover_backlog_failures_workers_and_api_errors(
         for metric in promql_metric_names(rule["expr"]):
             by_metric.setdefault(metric, []).append(rule)
 
-    backlog = by_metric["oldest_eligible_pending_age_seconds"][0]
+    # Only work waiting for a worker pages: a tenant's own pause or limit is no backlog.
+    assert "oldest_eligible_pending_age_seconds" not in by_metric
+    backlog = by_metric["oldest_runnable_pending_age_seconds"][0]
     assert seconds(backlog["for"]) >= 300
+    [held] = by_metric["oldest_held_pending_age_seconds"]
+    assert held["labels"]["severity"] == "info"
+    assert float(held["expr"].rsplit(">", 1)[1]) >= 86400  # a pause of a day is no news
     cleanup = by_metric["oldest_xmin_holder_age_seconds"][0]
     assert seconds(cleanup["for"]) >= 300
     assert "pg_terminate_backend" in cleanup["annotations"]["description"]
@@ -540,6 +554,14 @@ def test_alerts_cover_backlog_failures_workers_and_api_errors(
     assert any('up{job="worker"}' in rule["expr"] for rule in alert_rules)
     api_errors = by_metric["flask_http_request_duration_seconds_count"][0]
     assert 'status=~"5.."' in api_errors["expr"]
+
+
+def test_every_alert_is_explained_in_the_readme_with_its_severity(
+    alert_rules: list[dict[str, Any]],
+) -> None:
+    readme = (ROOT / "README.md").read_text()
+    for rule in alert_rules:
+        assert f"| `{rule['alert']}` ({rule['labels']['severity']}) |" in readme, rule["alert"]
 
 
 def test_alert_jobs_exist_in_the_scrape_config(
@@ -604,6 +626,29 @@ def test_promtool_accepts_the_rules_and_config() -> None:
     assert rules.returncode == 0, rules.stdout + rules.stderr
 
 
+def test_the_alert_rules_pass_their_promtool_unit_tests() -> None:
+    promtool = system_tools.require("promtool", package="prometheus")
+    tests = subprocess.run(
+        [promtool, "test", "rules", str(ALERT_TESTS_FILE)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert tests.returncode == 0, tests.stdout + tests.stderr
+
+
+def test_the_backlog_and_spiral_alerts_have_promtool_unit_tests(
+    alert_rules: list[dict[str, Any]],
+) -> None:
+    tested = {
+        case["alertname"]
+        for group in load_yaml(ALERT_TESTS_FILE)["tests"]
+        for case in group["alert_rule_test"]
+    }
+    spiral = {"FairqQueueBacklog", "FairqTenantPausedLong", "FairqDeadTuplesHigh", "FairqClaimSlow"}
+
+    assert spiral <= tested
+    assert tested <= {rule["alert"] for rule in alert_rules}
+
+
 # --- deploy/grafana/dashboard.json -----------------------------------------------------------
 
 
@@ -632,8 +677,13 @@ def test_dashboard_shows_every_queue_worker_and_api_metric(dashboard: dict[str, 
     used = set().union(*(promql_metric_names(expr) for expr in exprs))
     required = {
         "tasks_by_status",
-        "oldest_eligible_pending_age_seconds",
+        "oldest_runnable_pending_age_seconds",
+        "oldest_held_pending_age_seconds",
+        "due_companies",
+        "due_backlog_tasks",
         "oldest_xmin_holder_age_seconds",
+        "queue_table_dead_tuples",
+        "queue_table_live_tuples",
         "tasks_completed_total",
         "tasks_failed_total",
         "tasks_retried_total",
@@ -649,6 +699,7 @@ def test_dashboard_shows_every_queue_worker_and_api_metric(dashboard: dict[str, 
 
     assert required <= used, f"missing panels for {required - used}"
     assert any("histogram_quantile(0.95" in expr and "le" in expr for expr in exprs)
+    assert any("histogram_quantile(0.99" in expr and "claim_duration" in expr for expr in exprs)
     assert any("url_rule" in promql_label_names(expr) for expr in exprs)
 
 
@@ -671,7 +722,13 @@ def test_the_api_exposes_the_metric_names_the_alerts_and_dashboard_use(
     api_names = {
         "tasks_by_status",
         "oldest_eligible_pending_age_seconds",
+        "oldest_runnable_pending_age_seconds",
+        "oldest_held_pending_age_seconds",
+        "due_companies",
+        "due_backlog_tasks",
         "oldest_xmin_holder_age_seconds",
+        "queue_table_dead_tuples",
+        "queue_table_live_tuples",
         "tasks_completed_total",
         "tasks_claimed_total",
         "flask_http_request_total",

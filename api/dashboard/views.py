@@ -50,7 +50,7 @@ from api.dashboard.forms import (
 )
 from api.parser import REPEATED_PARAMETER
 from api.settings import ApiSettings
-from db import companies, dashboard, queue, tenant_stats
+from db import companies, dashboard, engine, queue, queue_health, statistics, tenant_stats
 from db.models import TaskStatus
 from worker import tasktypes
 
@@ -299,13 +299,19 @@ def logout() -> ResponseReturnValue:
 
 @blp.get("/")
 def overview() -> ResponseReturnValue:
-    """The queue at a glance: tasks by status, the chart, lease holders, leading companies."""
+    """The queue at a glance: tasks by status, what holds the due work, the spiral's signs,
+    the chart, lease holders, leading companies."""
     settings = _settings()
     with _reading() as reader:
         connection = reader.connection()
         stats = tenant_stats.queue_stats(connection, limits=settings.stats_limits, top=LEADERS)
         series = dashboard.finished_per_minute(connection)
         holders = dashboard.lease_holders(connection)
+        driver = engine.driver_connection(reader)
+        with engine.driver_errors("queue_health"):
+            waiting = queue_health.waiting(driver)
+            tables = queue_health.table_tuples(driver)
+        cleanup_held_seconds = statistics.oldest_xmin_holder_age(connection)
     chart = {
         "t": [minute.minute.timestamp() for minute in series.minutes],
         "completed": [minute.completed for minute in series.minutes],
@@ -317,6 +323,10 @@ def overview() -> ResponseReturnValue:
         series=series,
         chart=chart,
         holders=holders,
+        # In `Hold`'s order: waiting for a worker first.
+        waiting=[(hold, waiting[hold]) for hold in queue_health.Hold],
+        tables=tables,
+        cleanup_held_seconds=cleanup_held_seconds,
         recent_limit=dashboard.RECENT_FINISHED_LIMIT,
         stale_after=settings.stale_after_seconds,
         refresh_seconds=REFRESH_SECONDS,
