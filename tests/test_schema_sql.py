@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 from alembic import command
+from alembic.script import ScriptDirectory
 
 from tests import pg
 
@@ -138,14 +139,17 @@ def test_migration_0012_changes_only_the_claim_and_downgrades_to_0011(
     0011 made; a file changed without a migration that re-runs it fails here.
     """
     config = pg.alembic_config(empty_db_url)
-    command.upgrade(config, "0011")
+    # 0011 until branches of the same day are merged in between.
+    before_0012 = ScriptDirectory.from_config(config).get_revision("0012").down_revision
+    assert isinstance(before_0012, str)
+    command.upgrade(config, before_0012)
     with psycopg.connect(pg.libpq(empty_db_url)) as conn:
         at_0011 = definitions(conn)
 
     command.upgrade(config, "0012")
     with psycopg.connect(pg.libpq(empty_db_url)) as conn:
         at_0012 = definitions(conn)
-    command.downgrade(config, "0011")
+    command.downgrade(config, before_0012)
     with psycopg.connect(pg.libpq(empty_db_url)) as conn:
         downgraded = definitions(conn)
 
