@@ -200,7 +200,7 @@ _OLDEST_PROBE = """
 LEFT JOIN LATERAL (
     SELECT t.run_after
     FROM tasks t
-    WHERE t.company_id = {company}.id AND t.status = 'pending' AND t.run_after <= now()
+    WHERE t.company_id = {company}.id AND fairq_runnable(t, now())
     ORDER BY t.run_after
     LIMIT 1
 ) o ON {backlog} > 0"""

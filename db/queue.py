@@ -483,7 +483,7 @@ def retry_task(session: Session, company_id: uuid.UUID, task_id: uuid.UUID) -> T
 CLAIM_LOCK_KEY = 0x66_61_69_72_71_63_6C
 
 # A company's wake-up lock: (namespace, hashtext(company_id) & (buckets - 1)). Writers that
-# make a task pending hold it shared (the triggers of migration 0003, which spell the same
+# make a task pending hold it shared (the triggers of db/sql/tasks.sql, which spell the same
 # numbers); the claimer takes it exclusively before it marks a company as out of runnable
 # work (db/sql/claim.sql). Buckets bound the locks a statement over many companies takes.
 WAKE_LOCK_NAMESPACE = 0x66_71_77_6B

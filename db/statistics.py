@@ -78,7 +78,7 @@ FROM companies c
 CROSS JOIN LATERAL (
     SELECT t.run_after
     FROM tasks t
-    WHERE t.company_id = c.id AND t.status = 'pending' AND t.run_after <= now()
+    WHERE t.company_id = c.id AND fairq_runnable(t, now())
     ORDER BY t.run_after
     LIMIT 1
 ) AS o

@@ -213,8 +213,7 @@ SELECT c.name, c.paused, c.max_pending, now() AS as_of, b.unfinished,
                               WHERE t.company_id = c.id AND t.status = 'processing'
                               LIMIT :live_limit + 1) AS p) AS processing,
        (SELECT count(*) FROM (SELECT FROM tasks t
-                              WHERE t.company_id = c.id AND t.status = 'pending'
-                                AND t.run_after <= now()
+                              WHERE t.company_id = c.id AND fairq_runnable(t, now())
                               LIMIT :live_limit + 1) AS r) AS runnable,
        (SELECT count(*) FROM (SELECT FROM tasks t
                               WHERE t.company_id = c.id AND t.status = 'pending'
@@ -222,7 +221,7 @@ SELECT c.name, c.paused, c.max_pending, now() AS as_of, b.unfinished,
                               LIMIT :live_limit + 1) AS d) AS delayed,
        -- The first entry of the runnable range is the oldest runnable task.
        (SELECT CAST(extract(epoch FROM now() - t.run_after) AS float8) FROM tasks t
-        WHERE t.company_id = c.id AND t.status = 'pending' AND t.run_after <= now()
+        WHERE t.company_id = c.id AND fairq_runnable(t, now())
         ORDER BY t.run_after LIMIT 1) AS oldest_wait
 FROM companies c
 JOIN company_backlogs b ON b.company_id = c.id
@@ -309,8 +308,8 @@ FROM (SELECT coalesce(sum(b.unfinished), 0) AS unfinished FROM company_backlogs 
      (SELECT count(*) AS runnable
       FROM (SELECT FROM company_queues q
             CROSS JOIN LATERAL (SELECT FROM tasks t
-                                WHERE t.company_id = q.company_id AND t.status = 'pending'
-                                  AND t.run_after <= now()
+                                WHERE t.company_id = q.company_id
+                                  AND fairq_runnable(t, now())
                                 LIMIT :live_limit + 1) AS e
             WHERE q.due_at <= now()
             LIMIT :live_limit + 1) AS x) AS r,
@@ -339,7 +338,7 @@ _TOP_BY_BACKLOG = text(
 /* tenant_stats.top_by_backlog */
 SELECT c.id AS company_id, c.name, c.paused, c.max_pending, b.unfinished,
        (SELECT CAST(extract(epoch FROM now() - t.run_after) AS float8) FROM tasks t
-        WHERE t.company_id = b.company_id AND t.status = 'pending' AND t.run_after <= now()
+        WHERE t.company_id = b.company_id AND fairq_runnable(t, now())
         ORDER BY t.run_after LIMIT 1) AS oldest_wait
 FROM (SELECT k.company_id, k.unfinished FROM company_backlogs k
       WHERE k.unfinished > 0
@@ -362,8 +361,7 @@ SELECT c.id AS company_id, c.name, c.paused, c.max_pending, b.unfinished,
 FROM (SELECT q.company_id, e.run_after
       FROM company_queues q
       CROSS JOIN LATERAL (SELECT t.run_after FROM tasks t
-                          WHERE t.company_id = q.company_id AND t.status = 'pending'
-                            AND t.run_after <= now()
+                          WHERE t.company_id = q.company_id AND fairq_runnable(t, now())
                           ORDER BY t.run_after LIMIT 1) AS e
       WHERE q.due_at <= now()
       ORDER BY e.run_after, q.company_id
@@ -389,12 +387,12 @@ _SAMPLE = text(
 SELECT CAST(least(100, 100.0 * :pages / greatest(pg_relation_size('tasks')
                   / CAST(current_setting('block_size') AS int), 1)) AS float8) AS percent,
        count(*) FILTER (WHERE s.status = 'pending') AS pending,
-       count(*) FILTER (WHERE s.status = 'pending' AND s.run_after <= now()) AS runnable,
+       count(*) FILTER (WHERE s.runnable) AS runnable,
        count(*) FILTER (WHERE s.status = 'processing') AS processing,
        count(*) FILTER (WHERE s.status = 'completed') AS completed,
        count(*) FILTER (WHERE s.status = 'failed') AS failed,
        count(*) FILTER (WHERE s.status = 'cancelled') AS cancelled
-FROM (SELECT t.status, t.run_after
+FROM (SELECT t.status, fairq_runnable(t, now()) AS runnable
       -- The same percent as above (TABLESAMPLE takes no subquery).
       FROM tasks t TABLESAMPLE SYSTEM (least(100, 100.0 * :pages / greatest(
                pg_relation_size('tasks') / CAST(current_setting('block_size') AS int), 1)))

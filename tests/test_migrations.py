@@ -7,7 +7,6 @@ letting PostgreSQL itself render what the models declare next to what the migrat
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 import uuid
@@ -426,40 +425,11 @@ def test_the_insert_count_migration_downgrades_to_0006s_function(empty_db_url: s
     assert downgraded == before
 
 
-CLAIM_SQL = pg.ROOT / "db" / "sql" / "claim.sql"
 CLAIM_CURSOR = text("SELECT ring_position, credit FROM claim_cursor")
 CURSOR_SEQUENCES = text(
     "SELECT p.last_value, k.last_value "
     "FROM fairq_claim_cursor_position p, fairq_claim_cursor_credit k"
 )
-
-
-def test_the_claim_functions_of_a_migrated_database_are_those_of_db_sql_claim_sql(
-    migrated_engine: Engine,
-) -> None:
-    """Migration 0011 loads db/sql/claim.sql: `upgrade head` leaves its functions as written.
-
-    Each function's body, and `fairq_claim`'s SET clauses. A later revision that changes the
-    file must keep the text 0011 loads in 0011 (its docstring says how).
-    """
-    written = dict(
-        re.findall(r"CREATE FUNCTION (\w+)\(.*?AS \$\$(.*?)\$\$;", CLAIM_SQL.read_text(), re.S)
-    )
-    assert set(written) == {"fairq_allocate", "fairq_move_claim_cursor", "fairq_claim"}
-    with migrated_engine.connect() as conn:
-        loaded: dict[str, str] = dict(
-            conn.execute(
-                text("SELECT proname, prosrc FROM pg_proc WHERE proname = ANY(:names)"),
-                {"names": list(written)},
-            ).all()
-        )
-        settings = conn.execute(
-            text("SELECT proconfig FROM pg_proc WHERE oid = 'fairq_claim'::regproc")
-        ).scalar_one()
-    assert loaded == written
-    set_clauses = re.findall(r"^SET (\w+) = (\w+)$", CLAIM_SQL.read_text(), re.M)
-    assert set_clauses
-    assert sorted(settings) == sorted(f"{name}={value}" for name, value in set_clauses)
 
 
 def test_migration_0011_carries_the_claim_cursor_into_its_sequences_and_back(

@@ -20,9 +20,11 @@
 --   4. task rows, FOR UPDATE SKIP LOCKED, and the wake-up locks of settled companies (tried,
 --      never waited for): no claimer waits for another's rows.
 -- The magic numbers are ASCII: "fairqcl" (claims, also db/queue.py CLAIM_LOCK_KEY),
--- "fairqrs" (reservation), "fqlm" (limits), "fqwk" (wake-up, migration 0003).
+-- "fairqrs" (reservation), "fqlm" (limits), "fqwk" (wake-up, db/sql/tasks.sql).
+--
+-- Changing this file needs a migration that re-runs it (db/sql/README.md).
 
-CREATE FUNCTION fairq_allocate(
+CREATE OR REPLACE FUNCTION fairq_allocate(
     ring_positions bigint[], weights int[], headrooms int[], slots int, credit int,
     OUT tasks int[], OUT turns int[], OUT first_turns int[],
     OUT cursor_position bigint, OUT cursor_credit int)
@@ -88,7 +90,7 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION fairq_move_claim_cursor(ring_position bigint, credit int)
+CREATE OR REPLACE FUNCTION fairq_move_claim_cursor(ring_position bigint, credit int)
 RETURNS void
 LANGUAGE plpgsql VOLATILE
 -- With the owner's rights: setval needs UPDATE on a sequence, which a role with the usual
@@ -103,7 +105,7 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION fairq_claim(worker_id text, batch_size int)
+CREATE OR REPLACE FUNCTION fairq_claim(worker_id text, batch_size int)
 RETURNS TABLE (id uuid, company_id uuid, type text, payload jsonb, attempts int,
                max_attempts int, lease_token uuid, created_at timestamptz,
                timeout_seconds int)
@@ -303,8 +305,7 @@ BEGIN
                     SELECT t.id, t.run_after
                     FROM tasks t
                     WHERE t.company_id = a.company_id
-                      AND t.status = 'pending'
-                      AND t.run_after <= now_ts
+                      AND fairq_runnable(t, now_ts)
                     ORDER BY t.run_after, t.id
                     LIMIT a.n
                     FOR UPDATE OF t SKIP LOCKED

@@ -32,7 +32,6 @@ Create Date: 2026-12-04
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 
 from alembic import op
@@ -42,16 +41,22 @@ down_revision: str | None = "0009"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# Migration 0006: its function is what this one extends, and what its downgrade restores.
-_0006 = importlib.import_module("migrations.versions.0006_tenant_controls")
+# The function this revision installs, complete. First, rows of one company: its counter's
+# UPDATE is the whole count. Every row is compared with the first one's company; nothing is
+# updated when the rows are of several companies, when none counts, or when there are none
+# (bool_and of no rows is NULL). The quota is read by a statement of its own, whose snapshot
+# comes after the counter's lock: a quota changed while this insert waited for the one before
+# it is the quota checked. NULL (no quota) never compares greater. Then, for every other
+# insert, 0006's statements unchanged.
+COUNT_INSERTED = """\
+CREATE OR REPLACE FUNCTION fairq_count_inserted() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    quota integer;
+    ids uuid[];
+    deltas bigint[];
+    over record;
+BEGIN
 
-# One company: its counter's UPDATE is the whole count. Every row is compared with the
-# first one's company; nothing is updated when the rows are of several companies, when none
-# counts, or when there are none (bool_and of no rows is NULL). The quota is read by a
-# statement of its own, whose snapshot comes after the counter's lock: a quota changed while
-# this insert waited for the one before it is the quota checked. NULL (no quota) never
-# compares greater.
-_ONE_COMPANY = """
     WITH added AS (
         SELECT bool_and(n.company_id = (SELECT f.company_id FROM new_tasks f LIMIT 1)) AS alone,
                count(*) FILTER (WHERE n.status IN ('pending', 'processing')) AS delta
@@ -78,20 +83,91 @@ _ONE_COMPANY = """
         END IF;
         RETURN NULL;
     END IF;
-"""
 
+    SELECT array_agg(d.company_id ORDER BY d.company_id), array_agg(d.delta ORDER BY d.company_id)
+    INTO ids, deltas
+    FROM (
+    SELECT n.company_id, sum(CAST(n.status IN ('pending', 'processing') AS int)) AS delta
+    FROM new_tasks n GROUP BY n.company_id
+    ) d
+    WHERE d.delta <> 0;
+    IF ids IS NULL THEN
+        RETURN NULL;
+    END IF;
+    PERFORM 1 FROM company_backlogs b
+    WHERE b.company_id = ANY(ids)
+    ORDER BY b.company_id
+    FOR NO KEY UPDATE;
+    WITH moved AS (
+        UPDATE company_backlogs b
+        SET unfinished = b.unfinished + u.delta
+        FROM unnest(ids, deltas) AS u(company_id, delta)
+        WHERE b.company_id = u.company_id
+        RETURNING b.company_id, b.unfinished, u.delta
+    )
+    SELECT m.company_id, c.max_pending, m.unfinished, m.delta
+    INTO over
+    FROM moved m JOIN companies c ON c.id = m.company_id
+    WHERE m.delta > 0 AND c.max_pending IS NOT NULL AND m.unfinished > c.max_pending
+    LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'FQ429',
+            MESSAGE = 'backlog quota exceeded',
+            DETAIL = format('company=%s max_pending=%s unfinished=%s adding=%s',
+                            over.company_id, over.max_pending,
+                            over.unfinished - over.delta, over.delta);
+    END IF;
+    RETURN NULL;
+END
+$$"""
 
-# 0006's `CREATE FUNCTION fairq_count_inserted()`, replacing the body in place.
-COUNT_INSERTED_0006: str = _0006._COUNT_INSERTED.replace(
-    "CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1
-)
-# The one-company statements first; 0006's statements after them, for every other insert.
-COUNT_INSERTED = COUNT_INSERTED_0006.replace(
-    "DECLARE\n", "DECLARE\n    quota integer;\n", 1
-).replace("BEGIN\n", "BEGIN\n" + _ONE_COMPANY, 1)
-# Both places found in 0006's text (`replace` would say nothing if one were missing).
-assert COUNT_INSERTED.count("quota integer") == 1
-assert _ONE_COMPANY in COUNT_INSERTED
+# 0006's function, which the downgrade puts back (a copy: a migration's text never changes).
+COUNT_INSERTED_0006 = """\
+CREATE OR REPLACE FUNCTION fairq_count_inserted() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    ids uuid[];
+    deltas bigint[];
+    over record;
+BEGIN
+
+    SELECT array_agg(d.company_id ORDER BY d.company_id), array_agg(d.delta ORDER BY d.company_id)
+    INTO ids, deltas
+    FROM (
+    SELECT n.company_id, sum(CAST(n.status IN ('pending', 'processing') AS int)) AS delta
+    FROM new_tasks n GROUP BY n.company_id
+    ) d
+    WHERE d.delta <> 0;
+    IF ids IS NULL THEN
+        RETURN NULL;
+    END IF;
+    PERFORM 1 FROM company_backlogs b
+    WHERE b.company_id = ANY(ids)
+    ORDER BY b.company_id
+    FOR NO KEY UPDATE;
+    WITH moved AS (
+        UPDATE company_backlogs b
+        SET unfinished = b.unfinished + u.delta
+        FROM unnest(ids, deltas) AS u(company_id, delta)
+        WHERE b.company_id = u.company_id
+        RETURNING b.company_id, b.unfinished, u.delta
+    )
+    SELECT m.company_id, c.max_pending, m.unfinished, m.delta
+    INTO over
+    FROM moved m JOIN companies c ON c.id = m.company_id
+    WHERE m.delta > 0 AND c.max_pending IS NOT NULL AND m.unfinished > c.max_pending
+    LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'FQ429',
+            MESSAGE = 'backlog quota exceeded',
+            DETAIL = format('company=%s max_pending=%s unfinished=%s adding=%s',
+                            over.company_id, over.max_pending,
+                            over.unfinished - over.delta, over.delta);
+    END IF;
+    RETURN NULL;
+END
+$$"""
 
 
 def upgrade() -> None:

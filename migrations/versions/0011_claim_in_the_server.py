@@ -14,10 +14,9 @@
 On a live system: run it with the workers stopped (a worker of the previous release reads
 `claim_cursor`, which is gone). CREATE FUNCTION and CREATE SEQUENCE take no lock on `tasks`.
 
-`db/sql/claim.sql` is the functions' live text. A later revision that changes it must first
-copy the text this revision loads into this file, so that an upgrade through 0011 still
-creates what 0011 created (tests/test_migrations.py compares the functions after `upgrade
-head` with the file).
+The functions' text is `0011_claim_in_the_server.sql`, next to this file: what this revision
+loaded from `db/sql/claim.sql`, frozen when migration 0012 took the file over, so that an
+upgrade through 0011 still creates what 0011 created (and 0012's downgrade puts it back).
 
 Revision ID: 0011
 Revises: 0010
@@ -37,7 +36,7 @@ down_revision: str | None = "0010"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-CLAIM_SQL = Path(__file__).resolve().parents[2] / "db" / "sql" / "claim.sql"
+CLAIM_SQL = Path(__file__).with_name("0011_claim_in_the_server.sql")
 
 
 def upgrade() -> None:
