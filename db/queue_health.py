@@ -96,8 +96,7 @@ FROM (SELECT CASE WHEN q.paused THEN 'paused'
       FROM company_queues q
       JOIN company_backlogs b ON b.company_id = q.company_id
       CROSS JOIN LATERAL (SELECT t.run_after FROM tasks t
-                          WHERE t.company_id = q.company_id AND t.status = 'pending'
-                            AND t.run_after <= now()
+                          WHERE t.company_id = q.company_id AND fairq_runnable(t, now())
                           ORDER BY t.run_after LIMIT 1) AS o
       WHERE q.due_at <= now()) AS w
 GROUP BY w.hold
