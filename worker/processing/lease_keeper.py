@@ -46,6 +46,9 @@ class KeptPass(Protocol):
     def stop_overdue_handler(self, session: Session) -> None:
         """Stop each handler running past its timeout; give up on one after the grace."""
 
+    def refresh_pauses(self, session: Session) -> None:
+        """Read again which of the batch's companies are paused, once the last read ages."""
+
 
 class LeaseKeeper:
     """A thread that heartbeats the attached pass's leases and flushes its due completions.
@@ -112,6 +115,7 @@ class LeaseKeeper:
                 self._next_beat = time.monotonic() + owner.heartbeat_interval
                 owner.heartbeat(self._session)
             owner.flush_due_completions(self._session)
+            owner.refresh_pauses(self._session)
             # Lines of a pass of slow tasks must not wait for the end of the pass.
             worker_logging.write_due()
         except Exception as exc:

@@ -27,6 +27,7 @@ from worker.processing.finalize import Finalizer
 from worker.processing.held_leases import HeldLeases
 from worker.processing.lease_keeper import LeaseKeeper
 from worker.processing.observer import NoopObserver, PassObserver
+from worker.processing.pauses import BatchPauses
 from worker.processing.result import PassResult, ResultCounter
 from worker.processing.runners import Runners
 from worker.processing.sweep import SweepSchedule
@@ -192,6 +193,7 @@ class ProcessingPass:
         self.runners = runners
         self.counter = ResultCounter()
         self.leases = HeldLeases()
+        self.pauses = BatchPauses()
         self.finalizer = Finalizer(db, self.leases, self.counter, observer)
         # Held tasks whose handler has not started: released if the pass ends early. Shared
         # by the runners, `_give_up` (the keeper's thread) and `_finish`: a task belongs to
@@ -225,6 +227,32 @@ class ProcessingPass:
     def flush_due_completions(self, session: Session) -> None:
         """Write the completions that have waited long enough."""
         self.finalizer.flush_completions(session, force=False)
+
+    def refresh_pauses(self, session: Session) -> None:
+        """Read again which of the batch's companies are paused, once the last read ages;
+        hand back the unstarted tasks of those that are."""
+        self.pauses.refresh(self.db, session)
+        self._hand_back_paused(session)
+
+    def _hand_back_paused(self, session: Session) -> None:
+        """Release, attempt not counted, the unstarted tasks of the companies seen paused.
+
+        From any thread: a task popped here is never started by a runner, which pops it
+        before it starts it. On a database error they stay unstarted for `_finish`.
+        """
+        paused = self.pauses.seen_paused
+        if not paused:
+            return
+        # list() of a dict's values runs no Python code: atomic under the GIL.
+        candidates = [t for t in list(self._unstarted.values()) if t.company_id in paused]
+        taken = [t for t in candidates if self._unstarted.pop(t.id, None) is not None]
+        if not taken:
+            return
+        try:
+            self.finalizer.release(session, taken)
+        except BaseException:
+            self._unstarted.update((t.id, t) for t in taken)
+            raise
 
     def stop_overdue_handler(self, session: Session) -> None:
         """Stop each handler running past its timeout; give up on one after the grace."""
@@ -422,6 +450,7 @@ class ProcessingPass:
         leases = [task.lease for task in batch]  # made once: held, then completed under
         self.leases.hold(leases)
         self.leases.confirmed_at = leased_at
+        self.pauses.claimed((task.company_id for task in batch), leased_at)
         if batch:
             log.info(
                 "claimed %d tasks in %.1f ms", len(batch), seconds * 1000,
@@ -483,6 +512,9 @@ class ProcessingPass:
                 if self.leases.any_lost and self.leases.take_lost(task.id):
                     self._unstarted.pop(task.id, None)
                     self.finalizer.lease_lost(task, "start")
+                    continue
+                if self.pauses.paused(task.company_id, self.db, session):
+                    self._hand_back_paused(session)  # its company was paused since the claim
                     continue
                 task_type = tasktypes.get(task.type)
                 if task_type is None:
