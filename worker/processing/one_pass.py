@@ -8,15 +8,20 @@ its runner threads when it runs several handlers at once (`runners`).
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
+import psycopg
 from sqlalchemy.orm import Session
 
 from db import queue
+from db.engine import driver_connection, driver_errors
 from worker import backoff, tasktypes
 from worker import logging as worker_logging
 from worker.errors import HandlerTimeout, PermanentTaskError
@@ -25,6 +30,7 @@ from worker.processing.completion_buffer import Completion
 from worker.processing.database import PassDatabase, SessionSource
 from worker.processing.finalize import Finalizer
 from worker.processing.held_leases import HeldLeases
+from worker.processing.holder import Holder
 from worker.processing.lease_keeper import LeaseKeeper
 from worker.processing.observer import NoopObserver, PassObserver
 from worker.processing.pauses import BatchPauses
@@ -37,6 +43,7 @@ from worker.processing.unwritten import UnwrittenOutcomes
 from worker.settings import PassSettings
 from worker.tasktypes.base import JsonValue, TaskContext, TaskType
 
+T = TypeVar("T")
 StopFlag = threading.Event | Callable[[], bool] | None
 # Told of a handler the pass gave up on (`timeouts`), once its outcome is written.
 OnUnstoppable = Callable[[timeouts.Unstoppable], None]
@@ -72,6 +79,7 @@ def run_pass(
     keeper: LeaseKeeper | None = None,
     on_unstoppable: OnUnstoppable | None = None,
     runners: Runners | None = None,
+    holder: Holder | None = None,
 ) -> PassResult:
     """Run one pass: sweep, claim up to `settings.batch_size` tasks, run and finalize each.
 
@@ -106,6 +114,11 @@ def run_pass(
 
     `keeper` is a lease keeper to attach the pass to; without one the pass starts its own.
     `runners`: runner threads to use (at most `settings.threads - 1` of them are).
+
+    `holder`: the registered worker `worker_id` names, kept alive by its caller (a worker
+    child's liveness thread beats it). Without one, a pass that claimed anything registers
+    `worker_id` itself (`workers` row), its lease keeper beats it every
+    `settings.effective_heartbeat_interval`, and the pass deletes the row at its end.
     """
     with worker_logging.batched(), database.opened(sessions) as db:
         return ProcessingPass(
@@ -120,6 +133,7 @@ def run_pass(
             keeper=keeper,
             on_unstoppable=on_unstoppable,
             runners=runners,
+            holder=holder,
         ).run()
 
 
@@ -173,6 +187,7 @@ class ProcessingPass:
         keeper: LeaseKeeper | None = None,
         on_unstoppable: OnUnstoppable | None = None,
         runners: Runners | None = None,
+        holder: Holder | None = None,
     ) -> None:
         heartbeat_interval = settings.effective_heartbeat_interval
         if not 0 < heartbeat_interval < settings.stale_after:
@@ -191,6 +206,11 @@ class ProcessingPass:
         self.sweep_schedule = sweep_schedule
         self.keeper = keeper
         self.runners = runners
+        # The pass's own holder when it was given none (made once it claimed something),
+        # beaten by its lease keeper; a given one is beaten by whoever gave it.
+        self.holder = holder
+        self._own_holder = False
+        self._generation = 0  # the holder's generation when the batch was claimed
         self.counter = ResultCounter()
         self.leases = HeldLeases()
         self.pauses = BatchPauses()
@@ -221,8 +241,9 @@ class ProcessingPass:
         return self.db.session()
 
     def heartbeat(self, session: Session) -> None:
-        """Refresh every held lease; remember the ones found taken over."""
-        self.leases.heartbeat(self.db, session)
+        """Beat the pass's own holder (a given holder is beaten by its owner)."""
+        if self._own_holder and self.holder is not None:
+            self.holder.beat()
 
     def flush_due_completions(self, session: Session) -> None:
         """Write the completions that have waited long enough."""
@@ -345,7 +366,7 @@ class ProcessingPass:
             # Before the claim: a task whose completion is unwritten is never claimed again.
             self.write_unwritten(session)
             if self.sweep_schedule is None or self.sweep_schedule.due():
-                sweep.sweep_expired_leases(
+                sweep.sweep_dead_workers(
                     self.db, session,
                     stale_after=self.settings.stale_after, schedule=self.sweep_schedule,
                     counter=self.counter, observer=self.observer,
@@ -355,6 +376,8 @@ class ProcessingPass:
             batch, leases = self._claim(session)
             if not batch:
                 return self.counter.result()
+            if self.holder is None:
+                self._register_own_holder()
             keeper = self.keeper or LeaseKeeper()
             keeper.attach(self)
             try:
@@ -364,10 +387,38 @@ class ProcessingPass:
                 # The error in flight matters more than a second one from the database.
                 with contextlib.suppress(Exception):
                     self._finish(session)
+                    self._deregister_own_holder()
                 raise
             self._detach(keeper)
             self._finish(session)
+            self._deregister_own_holder()
         return self.counter.result()
+
+    def _register_own_holder(self) -> None:
+        # After the claim: a sweep finds its leases with no holder row, but younger than the
+        # stale window, and leaves them.
+        self.holder = Holder(
+            self.worker_id, host=socket.gethostname(), pid=os.getpid(), write=self._write_own
+        )
+        self._own_holder = True
+        self.holder.register()
+        self._generation = self.holder.generation
+
+    def _deregister_own_holder(self) -> None:
+        # Not when something stays unwritten: those leases are still held, and the sweep
+        # takes them back once the row is stale.
+        if self._own_holder and self.holder is not None and not self.unwritten:
+            self.holder.deregister()
+
+    def _write_own(self, statement: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """Run `statement` on the pass's database, committed (the own holder's writes)."""
+        with self.db.session() as session:
+
+            def sent() -> T:
+                with driver_errors("workers"):
+                    return statement(driver_connection(session, transaction=False))
+
+            return self.db.write(session, sent)
 
     def _detach(self, keeper: LeaseKeeper) -> None:
         keeper.detach()
@@ -449,7 +500,8 @@ class ProcessingPass:
         self.counter.add(PassResult(claimed=len(batch)))
         leases = [task.lease for task in batch]  # made once: held, then completed under
         self.leases.hold(leases)
-        self.leases.confirmed_at = leased_at
+        if self.holder is not None:
+            self._generation = self.holder.generation
         self.pauses.claimed((task.company_id for task in batch), leased_at)
         if batch:
             log.info(
@@ -508,11 +560,12 @@ class ProcessingPass:
             for task, lease in tasks:
                 if self._closed or self.stop():
                     return  # the task taken stays unstarted: `run` releases it
-                self._confirm_leases(session)
-                if self.leases.any_lost and self.leases.take_lost(task.id):
-                    self._unstarted.pop(task.id, None)
-                    self.finalizer.lease_lost(task, "start")
-                    continue
+                if not self._still_alive():
+                    # Declared dead by a sweep: every lease of the batch was taken back, or
+                    # is about to be. The tasks stay unstarted: `run` hands back (fenced)
+                    # those still ours, and reports the others lost.
+                    self._closed = True
+                    return
                 if self.pauses.paused(task.company_id, self.db, session):
                     self._hand_back_paused(session)  # its company was paused since the claim
                     continue
@@ -561,12 +614,19 @@ class ProcessingPass:
             self._unstarted[task.id] = task
             raise
 
-    def _confirm_leases(self, session: Session) -> None:
-        # The keeper refreshes leases in the background; if it has fallen behind (database
-        # hiccup), find out which leases are still ours before starting anything, or a task
-        # another worker took over could run twice at once (design §1.2).
-        if time.monotonic() - self.leases.confirmed_at > self.settings.stale_after / 2:
-            self.heartbeat(session)
+    def _still_alive(self) -> bool:
+        """Whether the batch's leases are still ours: the holder's row not swept since the claim.
+
+        Its heartbeat runs in the background; if it has fallen behind (a database hiccup,
+        a stalled liveness thread), beat now before starting anything, or a task another
+        worker took over could run twice at once (design §1.2).
+        """
+        holder = self.holder
+        if holder is None:
+            return True
+        if time.monotonic() - holder.confirmed_at > self.settings.stale_after / 2:
+            holder.beat()
+        return holder.generation == self._generation
 
     def _run_one(
         self,
