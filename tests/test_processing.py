@@ -28,7 +28,7 @@ from devtools.webhook_receiver import Receiver
 from tests.factories import CreatedTask, MakeCompany, insert_tasks, json_of, take_back
 from worker import processing, tasktypes
 from worker.errors import PermanentTaskError
-from worker.processing import completion_buffer, sweep
+from worker.processing import completer, sweep
 from worker.settings import PassSettings
 from worker.tasktypes.base import Handler, HandlerConfig, TaskContext, TaskType
 from worker.tasktypes.noop import NoopPayload
@@ -360,7 +360,7 @@ def test_completions_are_written_while_a_later_task_still_runs(
     seen_by_slow: list[str] = []
 
     def slow(task: TaskContext) -> None:
-        time.sleep(completion_buffer.FLUSH_AFTER_SECONDS * 5)
+        time.sleep(completer.FLUSH_AFTER_SECONDS * 5)
         seen_by_slow.append(rows(sessions, [fast_id])[0]["status"])
 
     register("slow", slow)
@@ -492,7 +492,7 @@ def test_a_pass_given_an_engine_checks_out_one_connection_for_all_its_writes(
     register: Register,
 ) -> None:
     """Sweep, claim, the keeper's flushes and the final ones share one checkout (one ping)."""
-    register("slow", lambda task: time.sleep(completion_buffer.FLUSH_AFTER_SECONDS * 3))
+    register("slow", lambda task: time.sleep(completer.FLUSH_AFTER_SECONDS * 3))
     insert_tasks(sessions, fresh_company_id, 2, task_type="noop", newest_age_seconds=60)
     insert_tasks(sessions, fresh_company_id, 1, task_type="slow")
     checkouts: list[object] = []

@@ -14,7 +14,7 @@ The pieces, each in its module:
 - `timeouts`: each attempt's deadline, and stopping a handler still running at it;
 - `task_result`: what a handler returned, as the JSON text its task stores;
 - `finalize`: writing each outcome fenced by the task's lease, and reporting it once;
-- `completion_buffer`: completions waiting to be written together;
+- `completer`: where the pass hands each completion (`Completer`), written in batches;
 - `held_leases`: the leases a pass holds;
 - `holder`: this process as a registered worker (`workers` row) and its heartbeat;
 - `pauses`: whether the batch's companies were paused since the claim;

@@ -26,7 +26,7 @@ from worker import backoff, tasktypes
 from worker import logging as worker_logging
 from worker.errors import HandlerTimeout, PermanentTaskError
 from worker.processing import database, outcome, sweep, task_log, task_result, timeouts
-from worker.processing.completion_buffer import Completion
+from worker.processing.completer import BatchCompleter, Completer, Completion
 from worker.processing.database import PassDatabase, SessionSource
 from worker.processing.finalize import Finalizer
 from worker.processing.held_leases import HeldLeases
@@ -215,6 +215,9 @@ class ProcessingPass:
         self.leases = HeldLeases()
         self.pauses = BatchPauses()
         self.finalizer = Finalizer(db, self.leases, self.counter, observer)
+        self.completer: Completer = BatchCompleter(
+            db, self.leases, self.counter, observer, self.finalizer.lease_lost
+        )
         # Held tasks whose handler has not started: released if the pass ends early. Shared
         # by the runners, `_give_up` (the keeper's thread) and `_finish`: a task belongs to
         # whoever pops it from here (`dict.pop` and `popitem` are atomic under the GIL). No
@@ -247,7 +250,7 @@ class ProcessingPass:
 
     def flush_due_completions(self, session: Session) -> None:
         """Write the completions that have waited long enough."""
-        self.finalizer.flush_completions(session, force=False)
+        self.completer.flush(session, force=False)
 
     def refresh_pauses(self, session: Session) -> None:
         """Read again which of the batch's companies are paused, once the last read ages;
@@ -316,7 +319,7 @@ class ProcessingPass:
                 backoff=self._backoff,
             )
             self.finalizer.settle(session, task, decision, seconds=ran)
-            self.finalizer.flush_completions(session, force=True)
+            self.completer.flush(session, force=True)
             self.finalizer.release(session, unstarted)
             unstarted = []
         except Exception as exc:
@@ -347,7 +350,7 @@ class ProcessingPass:
         self._reported = True
         first = self._stuck[0]
         try:
-            self.finalizer.flush_completions(session, force=True)
+            self.completer.flush(session, force=True)
         except Exception as exc:
             log.warning(
                 "could not write the last completions of the pass that gave up on task %s "
@@ -432,7 +435,7 @@ class ProcessingPass:
         completions, releases = self.unwritten.take()
         self.leases.hold(c.lease for c in completions)
         self.leases.hold(t.lease for t in releases)
-        self.finalizer.completions.extend(completions)
+        self.completer.keep(completions)
         self._unstarted.update((t.id, t) for t in releases)
         log.info(
             "writing %d completions and %d releases left unwritten by a database error",
@@ -450,10 +453,10 @@ class ProcessingPass:
         """
         unstarted = self._take_unstarted()
         try:
-            self.finalizer.flush_completions(session, force=True)
+            self.completer.flush(session, force=True)
             self.finalizer.release(session, unstarted)
         except BaseException as exc:
-            completions = self.finalizer.completions.take()
+            completions = self.completer.take()
             unstarted = [t for t in unstarted if self.leases.holds(t.id)]
             if completions or unstarted:
                 self._keep_unwritten(completions, unstarted, exc)
@@ -666,7 +669,7 @@ class ProcessingPass:
         seconds = time.monotonic() - started
         if raised is None and ending is Ending.IN_TIME:  # the common case, first
             if returned is None:
-                self.finalizer.complete(task, lease, seconds)
+                self.completer.complete(task, lease, seconds, None)
             else:
                 self._complete_with_result(session, task, lease, returned, seconds)
             return
@@ -690,7 +693,7 @@ class ProcessingPass:
                 session, task, outcome.unstorable_result(str(exc)), seconds=seconds
             )
             return
-        self.finalizer.complete(task, lease, seconds, result)
+        self.completer.complete(task, lease, seconds, result)
 
     def _finalize_failure(
         self,
