@@ -17,7 +17,7 @@ import psycopg
 # long, counted from before the read was sent; a pause answers only this long after it
 # committed (`api`). Together: once a pause has answered, no worker starts another of the
 # company's tasks (README "Pause and resume", design §4 "Pause").
-PAUSE_SEEN_WITHIN_SECONDS = 0.5
+PAUSE_SEEN_WITHIN_SECONDS = 1.0
 
 _PAUSED_COMPANIES = "SELECT id FROM companies WHERE id = ANY(%(ids)s) AND paused"
 

@@ -73,7 +73,7 @@ def test_a_pause_hands_back_the_unstarted_rest_of_a_batch_in_hand_and_none_start
     def nap(task: TaskContext) -> None:
         spans.enter(task)
         pauser.go.set()  # the company is paused while its first tasks run
-        time.sleep(0.04)
+        time.sleep(0.1)
         spans.leave(task)
 
     register("nap", nap)
@@ -89,7 +89,9 @@ def test_a_pause_hands_back_the_unstarted_rest_of_a_batch_in_hand_and_none_start
     started = set(spans.entered)
     assert all(spans.started[t] <= pauser.answered_at for t in mine if t in started)
     handed_back = [row for row in rows(sessions, mine) if row["id"] not in started]
-    assert len(handed_back) >= 40  # most of its tasks were still in hand
+    # Many of its tasks were still in hand: the pause answers a second after it committed,
+    # while 10 (one thread) or 40 (four) tasks a second start.
+    assert len(handed_back) >= 30
     for row in handed_back:
         original = before[row["id"]]
         assert (row["status"], row["attempts"], row["lease_token"], row["locked_by"]) == (
