@@ -33,7 +33,7 @@ Forked by `worker.supervisor`. In order, a child:
    child; whatever leases remain go back once its row is stale (the sweep).
 
 Fewer round trips and less work per batch (`worker.processing`): each pass holds one
-connection of the child's engine; expired leases are swept every few seconds
+connection of the child's engine; dead workers' leases are swept every few seconds
 (`processing.SweepSchedule`), not before every claim; and one lease keeper thread
 (`processing.LeaseKeeper`) serves every pass, as do its `WORKER_THREADS - 1` runner threads
 (`processing.Runners`), which run handlers beside the main thread.

@@ -1,8 +1,8 @@
 """Processing passes: claim a batch of tasks, run each task's handler, finalize each task.
 
-Words: a *pass* is one cycle (write what an earlier pass left unwritten, sweep expired
-leases, claim, run, finalize); its *batch* is the tasks that pass claimed. Worker children run
-pass after pass (`worker.child`), `python -m worker --once` runs one, and so does
+Words: a *pass* is one cycle (write what an earlier pass left unwritten, sweep the leases
+of dead workers, claim, run, finalize); its *batch* is the tasks that pass claimed. Worker
+children run pass after pass (`worker.child`), `python -m worker --once` runs one, and so does
 `POST /workers/process`. The claim and every finalization are short transactions of their
 own; handlers run holding no transaction and no row lock (STYLE "Database").
 
