@@ -291,3 +291,25 @@ class Task(Base):
             postgresql_where=text("status IN ('completed', 'failed', 'cancelled')"),
         ),
     )
+
+
+class Worker(Base):
+    """A worker process that may hold leases, and when it last said it was alive (design §5).
+
+    `id` is what its leases carry in `tasks.locked_by`. A worker child registers at boot,
+    its liveness thread refreshes `heartbeat_at`, and it deletes its row when it exits
+    cleanly; the sweep (`db.workers.take_back_leases`) takes back the leases of a worker whose
+    `heartbeat_at` is older than the stale window, and deletes its row.
+    """
+
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(Text, primary_key=True)
+    host: Mapped[str] = mapped_column(Text, nullable=False)
+    pid: Mapped[int] = mapped_column(nullable=False)
+    started_at: Mapped[dt.datetime] = mapped_column(
+        Timestamp, nullable=False, server_default=text("now()")
+    )
+    heartbeat_at: Mapped[dt.datetime] = mapped_column(
+        Timestamp, nullable=False, server_default=text("now()")
+    )

@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import psycopg
@@ -543,7 +542,7 @@ def claim(
     """Claim up to `batch_size` runnable tasks, weighted-fair across companies; in claim order.
 
     Runnable: `pending` with `run_after` at or before the claim's statement time, of a
-    company not paused (leases that expired are made pending by `expire_leases` first). Each
+    company not paused (leases of dead workers are made pending by `workers.take_back_leases`). Each
     claimed row moves to `processing` with a new `lease_token` and counts an attempt. Run it
     under READ COMMITTED (the default), in autocommit (one round trip: the statement is its
     own transaction) or in a transaction committed right after: until then a pause waits,
@@ -569,108 +568,6 @@ def claim(
             commit()
         # A cursor keeps its result after the commit: decoding needs no server.
         return [ClaimedTask._make(row) for row in cursor.fetchall()]
-
-
-@dataclass(frozen=True)
-class ExpiredLease:
-    """A `processing` task whose holder stopped heartbeating, as `expire_leases` left it.
-
-    `failed`: its attempts were used up (its workers kept dying: a poison pill), so it is
-    now `failed`; else it is `pending` again, first in its company's line.
-    """
-
-    id: uuid.UUID
-    company_id: uuid.UUID
-    type: str
-    attempts: int
-    locked_by: str | None
-    failed: bool
-
-
-# A lost lease's transition, for `expire_leases` (stale leases) and `expire_leases_of` (dead
-# holders): the CTE `lost` (id, locked_by, used_up) says which rows, `{why}` what happened.
-_TAKE_BACK_LOST_LEASES = """
-UPDATE tasks t
-SET status = CASE WHEN e.used_up THEN 'failed' ELSE 'pending' END,
-    -- Waiting for a worker since its holder was last known alive (lease start or last
-    -- heartbeat): first in its company's line, like a released task.
-    run_after = CASE WHEN e.used_up THEN t.run_after ELSE t.locked_at END,
-    finished_at = CASE WHEN e.used_up THEN now() END,
-    updated_at = now(),
-    last_error = CASE WHEN e.used_up
-        THEN format('worker lost ({why}) after %s attempts (last holder %s)',
-                    t.attempts, coalesce(e.locked_by, 'unknown'))
-        ELSE t.last_error END,
-    lease_token = NULL,
-    locked_by = NULL,
-    locked_at = NULL
-FROM lost e
-WHERE t.id = e.id
-RETURNING t.id, t.company_id, t.type, t.attempts, e.locked_by, e.used_up
-"""
-
-_STALE_LEASES = """
-WITH lost AS (
-    -- ix_tasks_processing_locked_at: the range locked_at < now() - stale_after, so live
-    -- leases are never read and running it every few seconds is cheap.
-    SELECT t.id, t.locked_by, t.attempts >= t.max_attempts AS used_up
-    FROM tasks t
-    WHERE t.status = 'processing'
-      AND t.locked_at < now() - make_interval(secs => CAST(:stale_after AS float8))
-    ORDER BY t.locked_at
-    -- Bounded, so a mass crash costs each pass a slice, not one long statement.
-    LIMIT :limit
-    -- A row someone holds right now is being finalized or heartbeated; leave it to them.
-    FOR UPDATE OF t SKIP LOCKED
-)
-"""
-_EXPIRE_LEASES = text(_STALE_LEASES + _TAKE_BACK_LOST_LEASES.replace("{why}", "lease expired"))
-
-
-def expire_leases(session: Session, *, stale_after: float, limit: int = 1000) -> list[ExpiredLease]:
-    """Take back up to `limit` leases not heartbeated for `stale_after` seconds; return them.
-
-    A task with attempts left becomes `pending` (attempts stay counted: crashes count);
-    a poison pill, whose workers died on every attempt, becomes `failed` with `last_error`
-    saying so. Its holder's lease token is cleared, so whatever that worker still writes
-    changes nothing (fenced finalization).
-    """
-    rows = session.execute(_EXPIRE_LEASES, {"stale_after": stale_after, "limit": limit}).all()
-    return [ExpiredLease(*row) for row in rows]
-
-
-_LEASES_OF_DEAD_HOLDERS = """
-WITH lost AS (
-    -- ix_tasks_processing_locked_at: its predicate is implied, so only processing rows are
-    -- read (at most every held lease), never the finished ones.
-    SELECT t.id, t.locked_by, t.attempts >= t.max_attempts AS used_up
-    FROM tasks t
-    WHERE t.status = 'processing'
-      AND t.locked_by = ANY(CAST(:holders AS text[]))
-    -- Not SKIP LOCKED: a row locked now is being written by the dead holder's last statement
-    -- (its server session outlives it briefly) or by the API; wait, and the quals are checked
-    -- again on the new version, so a task that holder did complete stays completed.
-    FOR UPDATE OF t
-)
-"""
-_EXPIRE_LEASES_OF = text(
-    _LEASES_OF_DEAD_HOLDERS + _TAKE_BACK_LOST_LEASES.replace("{why}", "its process died")
-)
-
-
-def expire_leases_of(session: Session, holders: Sequence[str]) -> list[ExpiredLease]:
-    """Take back now every lease held by `holders` (`locked_by` values); return them.
-
-    For workers known to be dead (the supervisor reaped the process): their leases need not
-    wait out `STALE_AFTER_SECONDS`. The outcome is `expire_leases`'s: `pending` with the
-    attempt counted, first in line, or `failed` for a poison pill. Fenced like it: the lease
-    token is cleared, so a late write under the old token changes nothing. Only a holder
-    that can never write again may be named: a live one would lose its leases mid-task.
-    """
-    if not holders:
-        return []
-    rows = session.execute(_EXPIRE_LEASES_OF, {"holders": list(holders)}).all()
-    return [ExpiredLease(*row) for row in rows]
 
 
 def _clip_error(error: str) -> str:
@@ -699,29 +596,6 @@ def _unzip(leases: Sequence[Lease]) -> dict[str, list[uuid.UUID]]:
 # for one task's attempt only (gen_random_uuid()), so a task whose token is among ours is
 # one whose lease we hold.
 _HELD = "t.id = ANY(CAST({ids} AS uuid[])) AND t.lease_token = ANY(CAST({tokens} AS uuid[]))"
-
-_HEARTBEAT = text(
-    """
-UPDATE tasks t
-SET locked_at = now()
--- Fenced: a lease another worker took over is theirs now; do not extend it.
-WHERE {held} AND t.status = 'processing'
-RETURNING t.id
-""".replace("{held}", _HELD.format(ids=":ids", tokens=":tokens"))
-)
-
-
-def heartbeat(session: Session, leases: Sequence[Lease]) -> set[uuid.UUID]:
-    """Refresh `locked_at` of the tasks still held under these leases; return their ids.
-
-    design §4 Heartbeat: keeps a long task from looking stale while its worker is alive.
-    The count refreshed is `len()` of the result; ids missing from it lost their lease
-    (taken over after expiry, or already finalized) and were not touched.
-    """
-    if not leases:
-        return set()
-    return set(session.scalars(_HEARTBEAT, _unzip(leases)))
-
 
 # Every finalizer is fenced (design §1.4): it matches only while the caller still holds the
 # lease. A miss means the lease was lost; nothing changes and the caller counts it.

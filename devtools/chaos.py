@@ -16,8 +16,8 @@ Definitions used in the report:
 - lost: created (the API answered 201/200 with its id) but not `completed` at the end.
 - delivered: the receiver answered 200 to a request carrying the task's id as Idempotency-Key;
   a duplicate is a task delivered more than once (503 answers are refusals, not deliveries).
-- held by a killed child: the task was `processing` with `locked_by` = the killed child
-  (`host:pid`), read right after the SIGKILL: its run was cut short (or, rarely, the child's
+- held by a killed child: the task was `processing` with `locked_by` of the killed child
+  (`host:pid:nonce`), read right after the SIGKILL: its run was cut short (or, rarely, the child's
   last commit was still in flight and it completed anyway).
 - re-claimed: `attempts > 1` at the end: it was claimed again after a lease expiry (kill), a
   lease takeover, or a retry (503). Every duplicate must be re-claimed: at-least-once allows
@@ -240,13 +240,16 @@ class Kill:
     held: int
 
 
-_HELD_BY = text("SELECT id::text FROM tasks WHERE status = 'processing' AND locked_by = :who")
+# A child's worker id is `host:pid:nonce` (`worker.child.new_worker_id`).
+_HELD_BY = text(
+    "SELECT id::text FROM tasks WHERE status = 'processing' AND locked_by LIKE :who || ':%'"
+)
 
 
 class Killer:
     """SIGKILLs a random child of a random supervisor every `interval` seconds (±50%).
 
-    Which tasks the dead child held (`locked_by` = its `host:pid`, still `processing`) is read
+    Which tasks the dead child held (`locked_by` its `host:pid:nonce`, still `processing`) is read
     twice: right after the kill, and again `recheck_after` seconds later, which catches a
     claim or a batch whose COMMIT was in flight when the child died (the server finishes a
     commit it has received). `recheck_after` must stay below the part of `stale_after` a

@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
 import logging
 import os
 import statistics
@@ -145,18 +146,29 @@ def seed_companies(engine: Engine, count: int) -> list[str]:
         ]
 
 
-def seed_tasks(engine: Engine, companies: list[str], count: int) -> None:
-    """Insert `count` pending noop tasks, round-robin over `companies`, oldest first."""
+def seed_tasks(
+    engine: Engine, companies: list[str], count: int, sleep_seconds: float | None = None
+) -> None:
+    """Insert `count` pending tasks, round-robin over `companies`, oldest first.
+
+    `noop` tasks, or with `sleep_seconds` `sleep` tasks of that length.
+    """
+    task_type, payload = "noop", "{}"
+    if sleep_seconds is not None:
+        task_type, payload = "sleep", json.dumps({"seconds": sleep_seconds})
     with engine.begin() as conn:
         conn.execute(
             text(
                 "INSERT INTO tasks (company_id, type, payload, created_at, run_after) "
-                "SELECT (CAST(:companies AS uuid[]))[1 + g % :n], 'noop', '{}', "
+                "SELECT (CAST(:companies AS uuid[]))[1 + g % :n], :type, CAST(:payload AS jsonb), "
                 "       now() + g * interval '1 microsecond', now() "
                 "FROM generate_series(0, :count - 1) g"
             ),
-            {"companies": companies, "n": len(companies), "count": count},
-        )
+            {
+                "companies": companies, "n": len(companies), "count": count,
+                "type": task_type, "payload": payload,
+            },
+        )  # fmt: skip
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text("ANALYZE tasks"))
 
@@ -432,6 +444,21 @@ def checkpoint(seeder: Engine, args: argparse.Namespace) -> None:
         conn.execute(text("CHECKPOINT"))
 
 
+def worker_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment of the supervisor a fairq run starts."""
+    env = {
+        "WORKER_CONCURRENCY": str(args.concurrency),
+        "WORKER_BATCH_SIZE": str(args.batch_size),
+        "LOG_LEVEL": args.log_level,
+        "LOG_FORMAT": args.log_format,
+        "SHUTDOWN_TIMEOUT_SECONDS": "30",
+        "WORKER_THREADS": str(args.threads),
+    }
+    if args.stale_after is not None:
+        env["STALE_AFTER_SECONDS"] = str(args.stale_after)
+    return env
+
+
 def run_once(
     engine: Engine,
     url: str,
@@ -448,13 +475,7 @@ def run_once(
     """
     reset(engine)
     companies_ids = seed_companies(engine, companies)
-    env = {
-        "WORKER_CONCURRENCY": str(args.concurrency),
-        "WORKER_BATCH_SIZE": str(args.batch_size),
-        "LOG_LEVEL": args.log_level,
-        "LOG_FORMAT": args.log_format,
-        "SHUTDOWN_TIMEOUT_SECONDS": "30",
-    }
+    env = worker_env(args)
     seeder = seeder_for(url)
     # Every reading while the children run goes through `probe` (see `server_counters`).
     with engine.connect() as probe:
@@ -473,7 +494,7 @@ def run_once(
             holder = None if hold_snapshot is None else SnapshotHolder(engine, hold_snapshot)
             gauge = None
             try:
-                seed_tasks(seeder, companies_ids, args.tasks)
+                seed_tasks(seeder, companies_ids, args.tasks, args.sleep)
                 wait_disconnected(probe, SEEDER_APPLICATION_NAME)
                 counters = server_counters(probe)
                 # As the API does: wake the idle children (one commit of the drain's count).
@@ -903,6 +924,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3, help="rounds (runs per shape)")
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=1, help="WORKER_THREADS of each child")
+    parser.add_argument(
+        "--sleep", type=float, metavar="SECONDS",
+        help="`sleep` tasks of SECONDS instead of noop ones: batches held long enough for "
+        "the workers' heartbeats to count (fairq only: use with --no-pgqueuer)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stale-after", type=float, metavar="SECONDS",
+        help="STALE_AFTER_SECONDS of the workers (their heartbeat: a fifth of it)",
+    )  # fmt: skip
     parser.add_argument(
         "--log-level", default="WARNING",
         help="LOG_LEVEL of the worker (INFO logs a line per task, which costs throughput)",

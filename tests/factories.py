@@ -22,7 +22,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from werkzeug.test import TestResponse
 
 from api import auth
-from db import companies
+from db import companies, workers
+from db.engine import driver_connection
 from db.models import Task
 
 
@@ -298,3 +299,14 @@ def insert_companies_with_tasks(
     )
     session.commit()
     return ids
+
+
+def take_back(
+    session: Session, *, stale_after: float, limit: int = 1000
+) -> list[workers.TakenBack]:
+    """The sweep as workers run it (`db.workers.take_back_leases`), on `session`'s connection.
+
+    Not committed: the caller commits (or the test's transaction is rolled back).
+    """
+    conn = driver_connection(session, transaction=False)
+    return workers.take_back_leases(conn, stale_after=stale_after, limit=limit)

@@ -32,6 +32,7 @@ from tests.factories import (
     insert_delayed_tasks,
     insert_task,
     insert_tasks,
+    take_back,
 )
 
 STALE = 300.0
@@ -114,7 +115,7 @@ def test_an_expired_lease_is_requeued_then_claimed_keeping_started_at_and_attemp
     )
     lease_start = fetch(db_session, stale.id)["locked_at"]
 
-    [expired] = queue.expire_leases(db_session, stale_after=STALE)
+    [expired] = take_back(db_session, stale_after=STALE)
     db_session.commit()
 
     assert (expired.id, expired.attempts, expired.locked_by, expired.failed) == (
@@ -151,7 +152,7 @@ def test_an_expired_lease_without_attempts_left_is_failed_not_claimed(
         locked_at=text("now() - interval '1 hour'"),
     )
 
-    [expired] = queue.expire_leases(db_session, stale_after=STALE)
+    [expired] = take_back(db_session, stale_after=STALE)
     db_session.commit()
 
     assert (expired.id, expired.failed) == (pill.id, True)
@@ -178,10 +179,10 @@ def test_expire_leases_takes_back_at_most_limit_leases_oldest_first(
         for minutes in (30, 20, 10)
     ]
 
-    first = queue.expire_leases(db_session, stale_after=STALE, limit=2)
+    first = take_back(db_session, stale_after=STALE, limit=2)
 
     assert {e.id for e in first} == set(leases[:2])
-    assert [e.id for e in queue.expire_leases(db_session, stale_after=STALE)] == leases[2:]
+    assert [e.id for e in take_back(db_session, stale_after=STALE)] == leases[2:]
 
 
 def test_claim_turns_jit_off_for_its_own_statements_only(
@@ -358,7 +359,7 @@ def test_a_retried_task_queues_behind_work_that_became_eligible_before_it(
         created_at=ago(90),
         run_after=ago(90),
     ).id
-    assert [e.id for e in queue.expire_leases(db_session, stale_after=STALE)] == [stale]
+    assert [e.id for e in take_back(db_session, stale_after=STALE)] == [stale]
 
     # Turn 1: A's a1 (eligible 60 minutes), B's requeued task (20).
     assert [t.id for t in claim(db_session, batch_size=2)] == [a1, stale]

@@ -191,8 +191,8 @@ def test_a_batch_larger_than_the_promotion_limit_is_not_short_while_due_companie
 def test_a_claim_with_a_null_worker_id_is_refused_not_leased_to_no_one(
     fresh_engine: Engine, fresh_db_url: str
 ) -> None:
-    """A lease must name its holder: `locked_by` NULL is one `expire_leases_of` can never
-    take back, and a round's shortfall is read back from the leases of its worker id."""
+    """A lease must name its holder: `locked_by` NULL is one no worker's heartbeat keeps,
+    and a round's shortfall is read back from the leases of its worker id."""
     company = insert_company(fresh_engine)
     insert_tasks(fresh_engine, company.id, 3)
     with psycopg.connect(libpq(fresh_db_url), autocommit=True) as sql:

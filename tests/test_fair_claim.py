@@ -38,6 +38,7 @@ from tests.factories import (
     insert_task,
     insert_tasks,
     insert_weighted_company,
+    take_back,
 )
 
 
@@ -682,7 +683,7 @@ def _api_retry(session: Session, lease: queue.Lease, company: uuid.UUID) -> None
 
 
 def _expire(session: Session, lease: queue.Lease, company: uuid.UUID) -> None:
-    assert [e.id for e in queue.expire_leases(session, stale_after=60)] == [lease.task_id]
+    assert [e.id for e in take_back(session, stale_after=60)] == [lease.task_id]
 
 
 @pytest.mark.parametrize(

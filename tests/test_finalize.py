@@ -11,9 +11,10 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from db import queue
+from db import queue, workers
+from db.engine import driver_connection
 from db.models import Task
-from tests.factories import MakeCompany, MakeTask
+from tests.factories import MakeCompany, MakeTask, take_back
 from worker import backoff
 
 
@@ -35,7 +36,7 @@ def take_over(session: Session, task: Task) -> queue.ClaimedTask:
         text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
         {"id": task.id},
     )
-    assert [e.id for e in queue.expire_leases(session, stale_after=60)] == [task.id]
+    assert [e.id for e in take_back(session, stale_after=60)] == [task.id]
     [claimed] = queue.claim(session, worker_id="new:2", batch_size=10)
     session.commit()
     assert claimed.id == task.id
@@ -145,7 +146,6 @@ def test_a_late_worker_changes_nothing_after_its_lease_was_taken_over(
         is False
     )
     assert queue.release_tasks(db_session, [old]) == set()
-    assert queue.heartbeat(db_session, [old]) == set()
 
     assert fetch(db_session, task.id) == after_takeover
     assert after_takeover["lease_token"] == new.lease_token
@@ -164,24 +164,57 @@ def test_finalizers_miss_on_tasks_that_are_no_longer_processing(
     assert fetch(db_session, task.id)["status"] == "completed"
 
 
-# -- heartbeat ---------------------------------------------------------------------------
+# -- the worker heartbeat and the sweep (decision 0010) --------------------------------------
 
 
-def test_heartbeat_refreshes_only_the_leases_still_held(
+def test_a_live_workers_leases_are_kept_however_old_and_a_silent_ones_are_taken_back(
     db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
 ) -> None:
+    """The holder's heartbeat, not the lease's age, says whether a lease is still held."""
+    conn = driver_connection(db_session, transaction=False)
     company = make_company().id
-    old = "now() - interval '200 seconds'"
-    held = claimed_task(company, locked_at=text(old))
-    other = claimed_task(company, locked_at=text(old))
+    workers.register(conn, "live:1:a", host="live", pid=1)
+    workers.register(conn, "silent:2:b", host="silent", pid=2)
+    hour_ago = text("now() - interval '1 hour'")
+    kept = claimed_task(company, locked_by="live:1:a", locked_at=hour_ago)
+    lost = claimed_task(company, locked_by="silent:2:b", locked_at=text("now()"))
+    db_session.execute(
+        text("UPDATE workers SET heartbeat_at = now() - interval '301 seconds' WHERE id = :id"),
+        {"id": "silent:2:b"},
+    )
 
-    refreshed = queue.heartbeat(db_session, [lease(held), queue.Lease(other.id, uuid.uuid4())])
+    taken = take_back(db_session, stale_after=300)
 
-    now = db_session.execute(text("SELECT now()")).scalar_one()
-    assert refreshed == {held.id}
-    assert fetch(db_session, held.id)["locked_at"] == now
-    assert fetch(db_session, other.id)["locked_at"] < now
-    assert queue.heartbeat(db_session, []) == set()
+    assert [(t.id, t.locked_by, t.failed) for t in taken] == [(lost.id, "silent:2:b", False)]
+    assert fetch(db_session, kept.id)["lease_token"] == kept.lease_token
+    assert fetch(db_session, lost.id)["status"] == "pending"
+    # Its row is gone with its leases: its next heartbeat tells it so.
+    assert workers.heartbeat(conn, "live:1:a") is True
+    assert workers.heartbeat(conn, "silent:2:b") is False
+    ids = db_session.execute(text("SELECT id FROM workers ORDER BY id")).scalars().all()
+    assert ids == ["live:1:a"]
+
+
+def test_a_lease_whose_holder_has_no_row_is_taken_back_once_older_than_the_stale_window(
+    db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
+) -> None:
+    """A holder swept already (over the limit), or one that never registered."""
+    company = make_company().id
+    young = claimed_task(company, locked_by="nobody:1", locked_at=text("now() - interval '299 s'"))
+    old = claimed_task(company, locked_by="nobody:1", locked_at=text("now() - interval '301 s'"))
+
+    assert [t.id for t in take_back(db_session, stale_after=300)] == [old.id]
+    assert fetch(db_session, young.id)["status"] == "processing"
+
+
+def test_register_heartbeat_and_deregister_keep_one_row_per_worker(db_session: Session) -> None:
+    conn = driver_connection(db_session, transaction=False)
+    workers.register(conn, "h:7:c", host="h", pid=7)
+    workers.register(conn, "h:7:c", host="h", pid=7)  # again, after a sweep found it gone
+    row = db_session.execute(text("SELECT host, pid, heartbeat_at = now() FROM workers")).one()
+    assert tuple(row) == ("h", 7, True)
+    workers.deregister(conn, "h:7:c")
+    assert workers.heartbeat(conn, "h:7:c") is False
 
 
 # -- expired leases and poison pills ------------------------------------------------------
@@ -198,7 +231,7 @@ def test_a_task_whose_worker_dies_every_time_ends_failed_after_max_attempts(
         [claimed] = queue.claim(db_session, worker_id=f"doomed:{attempt}", batch_size=1)
         assert claimed.attempts == attempt
         db_session.execute(expire, {"id": task.id})  # the worker dies; its lease expires
-        [expired] = queue.expire_leases(db_session, stale_after=300)
+        [expired] = take_back(db_session, stale_after=300)
         assert (expired.id, expired.attempts, expired.locked_by) == (
             task.id, attempt, f"doomed:{attempt}",
         )  # fmt: skip
@@ -213,24 +246,24 @@ def test_a_task_whose_worker_dies_every_time_ends_failed_after_max_attempts(
     )
     assert stored["lease_token"] is stored["locked_by"] is stored["locked_at"] is None
     assert queue.claim(db_session, worker_id="w", batch_size=1) == []
-    assert queue.expire_leases(db_session, stale_after=300) == []
+    assert take_back(db_session, stale_after=300) == []
 
 
-def test_expire_leases_leaves_live_leases_alone(
+def test_the_sweep_leaves_live_leases_alone(
     db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
 ) -> None:
     company = make_company().id
     live = claimed_task(company, attempts=5, max_attempts=5)  # last attempt, still alive
     almost = claimed_task(company, locked_at=text("now() - interval '299 seconds'"))
 
-    assert queue.expire_leases(db_session, stale_after=300) == []
+    assert take_back(db_session, stale_after=300) == []
 
     for task in (live, almost):
         stored = fetch(db_session, task.id)
         assert (stored["status"], stored["lease_token"]) == ("processing", task.lease_token)
 
 
-def test_expire_leases_requeues_a_task_with_attempts_left_and_keeps_its_history(
+def test_the_sweep_requeues_a_task_with_attempts_left_and_keeps_its_history(
     db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
 ) -> None:
     company = make_company().id
@@ -244,9 +277,9 @@ def test_expire_leases_requeues_a_task_with_attempts_left_and_keeps_its_history(
     )
     before = fetch(db_session, task.id)
 
-    [expired] = queue.expire_leases(db_session, stale_after=300)
+    [expired] = take_back(db_session, stale_after=300)
 
-    assert expired == queue.ExpiredLease(task.id, company, "noop", 2, "gone:7", False)
+    assert expired == workers.TakenBack(task.id, company, "noop", 2, "gone:7", False)
     stored = fetch(db_session, task.id)
     assert stored["status"] == "pending"
     assert stored["attempts"] == 2  # crashes count

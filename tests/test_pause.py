@@ -35,6 +35,7 @@ from tests.factories import (
     insert_company,
     insert_task,
     insert_tasks,
+    take_back,
 )
 from tests.supervisor_harness import wait_for
 
@@ -248,7 +249,7 @@ def test_a_paused_company_found_in_the_ring_is_passed_over_however_it_got_there(
 # -- its running tasks finish; what comes back to pending waits ------------------------------
 
 
-def test_tasks_running_when_their_company_is_paused_heartbeat_and_finish_as_usual(
+def test_tasks_running_when_their_company_is_paused_finish_as_usual(
     db_session: Session, make_company: MakeCompany
 ) -> None:
     company = make_company().id
@@ -257,7 +258,6 @@ def test_tasks_running_when_their_company_is_paused_heartbeat_and_finish_as_usua
 
     pause(db_session, company)
 
-    assert queue.heartbeat(db_session, [done.lease, broken.lease]) == {done.id, broken.id}
     assert queue.complete_tasks(db_session, [done.lease]) == {done.id}
     assert queue.fail_task(db_session, broken.id, broken.lease_token, error="permanent")
     db_session.commit()
@@ -285,7 +285,7 @@ def _lose_lease(session: Session, task: queue.ClaimedTask) -> None:
         text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
         {"id": task.id},
     )
-    assert [lost.id for lost in queue.expire_leases(session, stale_after=60)] == [task.id]
+    assert [lost.id for lost in take_back(session, stale_after=60)] == [task.id]
 
 
 def _retry_by_api(session: Session, task: queue.ClaimedTask) -> None:

@@ -22,13 +22,13 @@ from sqlalchemy import Engine, event, pool, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from db import queue
+from db import queue, workers
 from db.engine import make_engine, make_sessionmaker
 from devtools.webhook_receiver import Receiver
-from tests.factories import CreatedTask, MakeCompany, insert_tasks, json_of
+from tests.factories import CreatedTask, MakeCompany, insert_tasks, json_of, take_back
 from worker import processing, tasktypes
 from worker.errors import PermanentTaskError
-from worker.processing import completion_buffer, sweep
+from worker.processing import completer, sweep
 from worker.settings import PassSettings
 from worker.tasktypes.base import Handler, HandlerConfig, TaskContext, TaskType
 from worker.tasktypes.noop import NoopPayload
@@ -99,11 +99,19 @@ def rows(sessions: sessionmaker[Session], ids: list[uuid.UUID]) -> list[dict[str
     return [by_id[i] for i in ids]
 
 
+def silence(session: Session, worker_id: str = "test:1") -> None:
+    """Make `worker_id`'s heartbeat an hour old: what a sweep sees of a worker that died."""
+    session.execute(
+        text("UPDATE workers SET heartbeat_at = now() - interval '1 hour' WHERE id = :id"),
+        {"id": worker_id},
+    )
+
+
 def take_over(
     session: Session, *, worker_id: str, stale_after: float, batch_size: int = 1
 ) -> list[queue.ClaimedTask]:
-    """What another worker does: expire leases older than `stale_after`, then claim."""
-    queue.expire_leases(session, stale_after=stale_after)
+    """What another worker does: sweep with `stale_after`, then claim."""
+    take_back(session, stale_after=stale_after)
     return queue.claim(session, worker_id=worker_id, batch_size=batch_size)
 
 
@@ -119,7 +127,7 @@ def sweeping(sessions: sessionmaker[Session], stale_after: float) -> Iterator[li
     def compete() -> None:
         with sessions() as session:
             while not done.wait(0.05):
-                taken.extend(t.id for t in queue.expire_leases(session, stale_after=stale_after))
+                taken.extend(t.id for t in take_back(session, stale_after=stale_after))
                 session.commit()
 
     thread = threading.Thread(target=compete)
@@ -290,12 +298,9 @@ def test_a_lease_taken_over_during_the_handler_is_counted_as_lost(
     sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
 ) -> None:
     def overtaken(task: TaskContext) -> None:
-        # Another worker declares this lease dead and claims the task meanwhile.
+        # Another worker declares this one dead and claims the task meanwhile.
         with sessions() as other:
-            other.execute(
-                text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
-                {"id": task.task_id},
-            )
+            silence(other)
             [taken] = take_over(other, worker_id="other:2", stale_after=300)
             other.commit()
             assert taken.id == task.task_id
@@ -312,19 +317,20 @@ def test_a_lease_taken_over_during_the_handler_is_counted_as_lost(
     assert ("lease_lost", 1) in observer.calls
 
 
-def test_a_task_whose_lease_the_heartbeat_found_taken_over_is_not_started(
+def test_no_task_starts_once_a_sweep_declared_its_worker_dead(
     sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
 ) -> None:
-    """Running it would process it twice at once (design §1.2); it is skipped and counted."""
+    """Its leases were taken back: running one would process it twice at once (design §1.2).
+
+    The next heartbeat finds the worker's row gone; the tasks not started are handed back
+    fenced, so the one another worker claimed meanwhile is counted lost, not released.
+    """
     started: list[uuid.UUID] = []
 
     def first(task: TaskContext) -> None:
         started.append(task.task_id)
-        with sessions() as other:  # another worker takes the second task over meanwhile
-            other.execute(
-                text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
-                {"id": second_id},
-            )
+        with sessions() as other:  # another worker finds this one dead, claims a task
+            silence(other)
             take_over(other, worker_id="other:2", stale_after=2)
             other.commit()
         time.sleep(0.5)  # a few heartbeats
@@ -339,10 +345,12 @@ def test_a_task_whose_lease_the_heartbeat_found_taken_over_is_not_started(
 
     result = run_pass(sessions, settings=settings)
 
-    assert result == processing.PassResult(claimed=2, completed=1, lease_lost=1)
+    assert result == processing.PassResult(claimed=2, lease_lost=2)
     assert started == [first_id]
-    [stored] = rows(sessions, [second_id])
-    assert (stored["status"], stored["locked_by"]) == ("processing", "other:2")
+    stored = rows(sessions, [first_id, second_id])
+    assert [(r["status"], r["locked_by"]) for r in stored] == [
+        ("processing", "other:2"), ("pending", None),
+    ]  # fmt: skip
 
 
 def test_completions_are_written_while_a_later_task_still_runs(
@@ -352,7 +360,7 @@ def test_completions_are_written_while_a_later_task_still_runs(
     seen_by_slow: list[str] = []
 
     def slow(task: TaskContext) -> None:
-        time.sleep(completion_buffer.FLUSH_AFTER_SECONDS * 5)
+        time.sleep(completer.FLUSH_AFTER_SECONDS * 5)
         seen_by_slow.append(rows(sessions, [fast_id])[0]["status"])
 
     register("slow", slow)
@@ -361,38 +369,6 @@ def test_completions_are_written_while_a_later_task_still_runs(
 
     assert run_pass(sessions) == processing.PassResult(claimed=2, completed=2)
     assert seen_by_slow == ["completed"]
-
-
-def test_an_unstarted_task_the_keeper_saw_taken_over_counts_as_lost_when_stopping(
-    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
-) -> None:
-    stop = threading.Event()
-
-    def first(task: TaskContext) -> None:
-        with sessions() as other:  # another worker takes the second task over meanwhile
-            other.execute(
-                text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
-                {"id": second_id},
-            )
-            take_over(other, worker_id="other:2", stale_after=2)
-            other.commit()
-        time.sleep(0.5)  # a few heartbeats: the keeper finds the second lease taken over
-        stop.set()
-
-    register("first", first)
-    [_first_id] = insert_tasks(
-        sessions, fresh_company_id, 1, task_type="first", newest_age_seconds=60
-    )
-    [second_id] = insert_tasks(sessions, fresh_company_id, 1, task_type="noop")
-    settings = PassSettings(stale_after=2.0, heartbeat_interval=0.1)
-    observer = Recorder()
-
-    result = run_pass(sessions, settings=settings, stop=stop, observer=observer)
-
-    assert result == processing.PassResult(claimed=2, completed=1, lease_lost=1)
-    assert ("lease_lost", 1) in observer.calls
-    [stored] = rows(sessions, [second_id])
-    assert (stored["status"], stored["locked_by"]) == ("processing", "other:2")
 
 
 # -- database errors: nothing unwritten is dropped ------------------------------------------
@@ -408,20 +384,20 @@ def test_a_database_error_before_a_task_starts_releases_that_task_unrun(
     register: Register,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The lease confirmation before the second task fails: it and the rest go back."""
+    """The heartbeat before the second task fails: it and the rest go back."""
     started: list[uuid.UUID] = []
 
     def slow(task: TaskContext) -> None:
         started.append(task.task_id)
-        time.sleep(0.3)  # past stale_after / 2: the next task confirms its lease first
+        time.sleep(0.3)  # past stale_after / 2: the next task beats first
 
-    def heartbeat_fails_in_the_pass(session: Session, leases: Any) -> set[uuid.UUID]:
+    def heartbeat_fails_in_the_pass(conn: Any, worker_id: str) -> bool:
         if threading.current_thread() is threading.main_thread():
             raise _database_down()
-        return real_heartbeat(session, leases)
+        return real_heartbeat(conn, worker_id)
 
-    real_heartbeat = queue.heartbeat
-    monkeypatch.setattr(queue, "heartbeat", heartbeat_fails_in_the_pass)
+    real_heartbeat = workers.heartbeat
+    monkeypatch.setattr(workers, "heartbeat", heartbeat_fails_in_the_pass)
     register("slow", slow)
     ids = insert_tasks(sessions, fresh_company_id, 3, task_type="slow", max_attempts=1)
     settings = PassSettings(stale_after=0.4, heartbeat_interval=0.35)
@@ -516,7 +492,7 @@ def test_a_pass_given_an_engine_checks_out_one_connection_for_all_its_writes(
     register: Register,
 ) -> None:
     """Sweep, claim, the keeper's flushes and the final ones share one checkout (one ping)."""
-    register("slow", lambda task: time.sleep(completion_buffer.FLUSH_AFTER_SECONDS * 3))
+    register("slow", lambda task: time.sleep(completer.FLUSH_AFTER_SECONDS * 3))
     insert_tasks(sessions, fresh_company_id, 2, task_type="noop", newest_age_seconds=60)
     insert_tasks(sessions, fresh_company_id, 1, task_type="slow")
     checkouts: list[object] = []
@@ -663,7 +639,7 @@ def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
     [stored] = rows(sessions, [task_id])
     assert (stored["status"], stored["attempts"]) == ("completed", 1)
 
-    # Control: the same lease without heartbeats is taken over after the stale window.
+    # Control: a lease of a worker that does not beat is taken over after the stale window.
     [orphan] = insert_tasks(sessions, fresh_company_id, 1, task_type="long")
     with sessions() as session:
         queue.claim(session, worker_id="dies:1", batch_size=1)
@@ -701,11 +677,8 @@ def test_a_task_that_kills_its_worker_every_time_ends_failed(
         assert child.exitcode == 13
         [stored] = rows(sessions, [task_id])
         assert (stored["status"], stored["attempts"]) == ("processing", attempt)
-        with sessions() as session:  # time passes: the dead worker's lease expires
-            session.execute(
-                text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
-                {"id": task_id},
-            )
+        with sessions() as session:  # time passes: the dead worker's heartbeat goes stale
+            silence(session, f"child:{child.pid}")
             session.commit()
 
     assert run_pass(sessions) == processing.PassResult(failed=1)

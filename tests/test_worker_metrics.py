@@ -29,7 +29,7 @@ def held_by(engine: Engine, pid: int) -> int:
     with engine.connect() as conn:
         count: int = conn.execute(
             text("SELECT count(*) FROM tasks WHERE status = 'processing' AND locked_by LIKE :w"),
-            {"w": f"%:{pid}"},
+            {"w": f"%:{pid}:%"},
         ).scalar_one()
     return count
 

@@ -7,10 +7,10 @@ Forked by `worker.supervisor`. In order, a child:
    pipe, metrics sockets and sibling pipes), then `main` installs the child's own: TERM, INT
    and QUIT set the stop flag; HUP, TTIN and TTOU are the supervisor's business and ignored;
 2. boots: starts its `liveness.AliveSignal` thread, builds its own engine (the supervisor never has
-   one; a pool of one connection), checks that the database answers and is migrated, takes
-   back the leases of the dead children the supervisor named (`Inherited.dead_holders`),
-   and tells the supervisor on its status pipe, `booted` or `error: <reason>` followed by
-   exit status `BOOT_ERROR`;
+   one; a pool of two connections: a pass's, and its liveness thread's), checks that the
+   database answers and is migrated, registers its `workers` row (`processing.Holder`),
+   which the liveness thread beats from then on, and tells the supervisor on its status
+   pipe, `booted` or `error: <reason>` followed by exit status `BOOT_ERROR`;
 3. loops: one processing pass; if it claimed anything, the next at once; otherwise it waits
    for a NOTIFY on `settings.notify_channel` or `poll_interval`, whichever comes first.
    NOTIFY is only a hint: a lost listener is reconnected with backoff and polling alone stays
@@ -24,15 +24,16 @@ Forked by `worker.supervisor`. In order, a child:
    and releases the rest of its batch) or when its parent is gone (`os.getppid()` changed;
    looked at before a task at most every `ORPHAN_POLL_SECONDS`, a system call saved on
    nearly every task, and at least every `ORPHAN_CHECK_SECONDS` while waiting), makes one
-   last attempt to write what it still owes, then exits 0;
+   last attempt to write what it still owes, deletes its `workers` row if it holds no lease
+   any more, then exits 0;
 5. or exits `HANDLER_STUCK` from its lease keeper's thread when a handler could not be
    stopped at its task's timeout (`processing.timeouts`), once the pass has written the
    task's retry and what else it owed and its other running handlers have returned, saying
-   which task on its status pipe (`stuck: ...`): the supervisor logs it, takes back
-   whatever leases remain, and replaces the child.
+   which task on its status pipe (`stuck: ...`): the supervisor logs it and replaces the
+   child; whatever leases remain go back once its row is stale (the sweep).
 
 Fewer round trips and less work per batch (`worker.processing`): each pass holds one
-connection of the child's engine; expired leases are swept every few seconds
+connection of the child's engine; dead workers' leases are swept every few seconds
 (`processing.SweepSchedule`), not before every claim; and one lease keeper thread
 (`processing.LeaseKeeper`) serves every pass, as do its `WORKER_THREADS - 1` runner threads
 (`processing.Runners`), which run handlers beside the main thread.
@@ -47,15 +48,16 @@ import contextlib
 import logging
 import os
 import random
+import secrets
 import select
 import signal
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import psycopg
 from sqlalchemy import Engine, text
@@ -65,7 +67,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from common import logging as fairq_logging
 from db import engine as db_engine
 from db import errors as db_errors
-from db import maintenance, queue
+from db import maintenance
 from worker import backoff, liveness, wakeups
 from worker.settings import WorkerSettings
 
@@ -73,6 +75,8 @@ if TYPE_CHECKING:
     from worker import metrics, processing
 
 log = logging.getLogger("fairq.worker.child")
+
+T = TypeVar("T")
 
 # Exit status of a child that could not boot (gunicorn's WORKER_BOOT_ERROR is 3 too).
 BOOT_ERROR = 3
@@ -102,16 +106,13 @@ MAINTENANCE_INTERVAL_SECONDS = 60.0
 MAINTENANCE_BUDGET_SECONDS = 2.0
 
 
-_TASK = "task %(task_id)s (company %(company_id)s, type %(type)s)"
-_MSG_HOLDER_DIED = _TASK + " attempt %(attempt)d: holder %(locked_by)s died, requeued"
-_MSG_HOLDER_DIED_FAILED = (
-    _TASK + " failed: worker lost on each of %(attempt)d attempts (last holder %(locked_by)s)"
-)
+def new_worker_id() -> str:
+    """This process's id as a holder of leases (`locked_by`, `workers.id`): `host:pid:nonce`.
 
-
-def worker_id(pid: int) -> str:
-    """The `locked_by` of this host's child with process id `pid`: `host:pid`."""
-    return f"{socket.gethostname()}:{pid}"
+    The nonce tells apart two processes that had the same pid on this host: a dead one's
+    row must never pass for the live one's.
+    """
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
 
 
 @dataclass(frozen=True)
@@ -121,15 +122,13 @@ class Inherited:
     `status_fd`: write end of the status pipe (None outside a supervisor);
     `signal_mask`: the mask to restore once the child's own handlers are in place (the
     supervisor blocks its signals around fork); `alive_fd`: write end of the pipe on which
-    the child says it is alive (`AliveSignal`); `dead_holders`: `locked_by` of children that
-    died, whose leases the child takes back before it reports that it booted.
+    the child says it is alive (`AliveSignal`).
     """
 
     parent_pid: int
     status_fd: int | None
     signal_mask: frozenset[signal.Signals]
     alive_fd: int | None = None
-    dead_holders: tuple[str, ...] = ()
 
 
 def reset_inherited_signals() -> None:
@@ -155,7 +154,7 @@ class Child:
     def __init__(self, settings: WorkerSettings, inherited: Inherited) -> None:
         self.settings = settings
         self.inherited = inherited
-        self.worker_id = worker_id(os.getpid())
+        self.worker_id = new_worker_id()
         self._stop = threading.Event()
         self._orphaned = False
         self._wake_r, self._wake_w = os.pipe()
@@ -168,6 +167,7 @@ class Child:
         self._sweep_schedule: processing.SweepSchedule | None = None
         self._keeper: processing.LeaseKeeper | None = None
         self._runners: processing.Runners | None = None
+        self._holder: processing.Holder | None = None
         self._orphan_check_at = 0.0  # time.monotonic() of the next look at the parent pid
         self._listener = wakeups.Listener(settings.listen_url, settings.notify_channel)
         self._listen_backoff = backoff.Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
@@ -190,8 +190,9 @@ class Child:
                 self._report(f"{STATUS_ERROR} {reason}")
                 return BOOT_ERROR
             self._report(STATUS_BOOTED)
-            log.info("child %d ready", os.getpid())
+            log.info("child %d ready (worker %s)", os.getpid(), self.worker_id)
             self._loop()
+            self._deregister()
             log.info("child %d stopping%s", os.getpid(), " (orphaned)" if self._orphaned else "")
             return 0
         finally:
@@ -242,9 +243,10 @@ class Child:
             application_name=APPLICATION_NAME,
             statement_timeout_ms=processing.WORKER_STATEMENT_TIMEOUT_MS,
             transaction_pooling=self.settings.transaction_pooling,
-            # One connection: a pass and its lease keeper share one, and nothing else runs
-            # at the same time (README, "The worker supervisor": connections per child).
-            pool_size=1,
+            # Two connections: a pass and its lease keeper share one, the liveness thread's
+            # heartbeat has the other, so that it never waits for a pass's statement (README,
+            # "The worker supervisor": connections per child).
+            pool_size=2,
             max_overflow=0,
             # Not pinged on every pass's checkout, a round trip per batch: a busy child uses
             # its connection all the time, and a dead one fails its pass's first statement,
@@ -261,7 +263,11 @@ class Child:
                 with self._engine.connect() as conn:
                     # The table the child works on: an unmigrated database is a boot error.
                     conn.execute(text("SELECT 1 FROM tasks LIMIT 0"))
-                self._take_back_leases(self.inherited.dead_holders)
+                self._holder = processing.Holder(
+                    self.worker_id, host=socket.gethostname(), pid=os.getpid(),
+                    write=self._write_committed,
+                )  # fmt: skip
+                self._holder.register()
                 break
             except DBAPIError as exc:
                 delay = retries.next()
@@ -272,6 +278,9 @@ class Child:
                 self._wait(delay, listen=False)
                 if self.should_stop():
                     return None  # stopping anyway: the loop exits at once, status 0
+        assert self._alive is not None
+        assert self._holder is not None
+        self._alive.start_beating(self._holder.beat, self.settings.effective_heartbeat_interval)
         if not self._listener.enabled:
             log.info("DATABASE_POOL_MODE=transaction and no LISTEN_DATABASE_URL: "
                      "polling every %gs, no wake-ups", self.settings.poll_interval)  # fmt: skip
@@ -282,33 +291,24 @@ class Child:
             self._listen_retry_at = time.monotonic() + self._listen_backoff.next()
         return None
 
-    def _take_back_leases(self, holders: Sequence[str]) -> None:
-        """Put back in the queue the tasks dead children held (design §5, "Hung children").
-
-        The supervisor names children it reaped (`Inherited.dead_holders`): they can never
-        write again, so their leases need not wait out `STALE_AFTER_SECONDS`.
-        """
-        if not holders:
-            return
+    def _write_committed(self, statement: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """Run `statement` on a connection of the child's engine, committed (its holder's)."""
         assert self._sessions is not None
         with self._sessions() as session:
-            expired = queue.expire_leases_of(session, holders)
+            with db_engine.driver_errors("workers"):
+                result = statement(db_engine.driver_connection(session, transaction=False))
             session.commit()
-        # One line per task, as the sweep of expired leases writes them.
-        for task in expired:
-            fields = {
-                "event": "task.failed" if task.failed else "task.requeued",
-                "task_id": str(task.id), "company_id": str(task.company_id),
-                "type": task.type, "attempt": task.attempts, "locked_by": task.locked_by,
-            }  # fmt: skip
-            if task.failed:
-                fields["error_type"] = "WorkerLost"
-                log.warning(_MSG_HOLDER_DIED_FAILED, fields, extra=fields)
-                if self._metrics is not None:
-                    self._metrics.failed(task.type)
-            else:
-                log.warning(_MSG_HOLDER_DIED, fields, extra=fields)
-        log.info("took back %d tasks held by dead children (%s)", len(expired), ", ".join(holders))
+        return result
+
+    def _deregister(self) -> None:
+        """Delete this child's `workers` row if it holds no lease (all written or released)."""
+        if self._holder is None or self._unwritten:
+            return  # its leases go back when the row is stale
+        try:
+            self._holder.deregister()
+        except (DBAPIError, psycopg.Error) as exc:
+            log.warning("could not delete worker %s's row (%s); the sweep will",
+                        self.worker_id, db_errors.brief(exc))  # fmt: skip
 
     def _report(self, line: str) -> None:
         if self.inherited.status_fd is None:
@@ -409,6 +409,7 @@ class Child:
             keeper=self._keeper,
             on_unstoppable=self._exit_unstoppable,
             runners=self._runners,
+            holder=self._holder,
         )
         return result.claimed
 

@@ -1,8 +1,9 @@
-"""A worker child's sign of life to its supervisor (design §5, "Hung children").
+"""A worker child's sign of life, to its supervisor and to the database (design §5, decision 0010).
 
-The child side: a thread writes a byte on the alive pipe while the main thread shows
-progress. The supervisor reads the pipe each tick and kills a child silent for
-`WORKER_CHILD_TIMEOUT_SECONDS`.
+One thread, one answer to "is this child alive": while the main thread shows progress it
+writes a byte on the alive pipe (the supervisor kills a child silent for
+`WORKER_CHILD_TIMEOUT_SECONDS`) and beats the child's `workers` row (the sweep takes back the
+leases of a worker whose row is silent for `STALE_AFTER_SECONDS`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger("fairq.worker.child")
 
@@ -34,8 +35,14 @@ class AliveSignal:
     means it is stuck. A stopped process (SIGSTOP, a frozen cgroup) or one whose GIL is never
     released stops this thread too.
 
+    The same condition keeps the child's `workers` row beating (`beat`, every
+    `beat_interval`, from `start_beating` on): a child its supervisor would kill as hung is
+    one whose leases the sweep takes back. A beat that fails (the database down) is logged
+    and tried again at the next interval; the pass confirms its holder before each task
+    when the beats have fallen behind (`processing.Holder`).
+
     Writes never block: a full pipe already says "alive". Without a pipe (`fd` None: no
-    supervisor) nothing is started.
+    supervisor) the thread only beats, once `start_beating` is called.
     """
 
     def __init__(self, fd: int | None, *, timeout: float) -> None:
@@ -46,10 +53,25 @@ class AliveSignal:
         self._in_pass = False
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._beat: Callable[[], None] | None = None
+        self._beat_interval = 0.0
+        self._next_beat = 0.0
         if fd is not None:
             os.set_blocking(fd, False)
-            self._thread = threading.Thread(target=self._run, name="fairq-alive", daemon=True)
-            self._thread.start()
+            self._start()
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="fairq-alive", daemon=True)
+        self._thread.start()
+
+    def start_beating(self, beat: Callable[[], None], interval: float) -> None:
+        """Call `beat` every `interval` seconds from now on while the child is alive."""
+        self._beat_interval = interval
+        self._interval = min(self._interval, interval)
+        self._next_beat = time.monotonic() + interval
+        self._beat = beat
+        if self._thread is None:
+            self._start()
 
     def progress(self) -> None:
         """The main thread is not stuck: it got here (called often; one float store)."""
@@ -75,8 +97,8 @@ class AliveSignal:
             self._fd = None
 
     def _run(self) -> None:
-        assert self._fd is not None
         stuck = False
+        pipe_open = self._fd is not None
         while not self._closed.wait(self._interval):
             silent = time.monotonic() - self._progress_at
             if not self._in_pass and silent >= self._timeout:
@@ -89,9 +111,18 @@ class AliveSignal:
                     faulthandler.dump_traceback(all_threads=True)
                 continue
             stuck = False
-            try:
-                os.write(self._fd, b".")
-            except BlockingIOError:
-                pass  # the supervisor has not read the earlier bytes yet: they say the same
-            except OSError:
-                return  # the supervisor is gone; the orphan check stops the child
+            # The byte first: a beat may wait on the database (its statement timeout).
+            if pipe_open and self._fd is not None:
+                try:
+                    os.write(self._fd, b".")
+                except BlockingIOError:
+                    pass  # the supervisor has not read the earlier bytes yet: they say the same
+                except OSError:
+                    pipe_open = False  # the supervisor is gone; the orphan check stops the child
+            if self._beat is not None and time.monotonic() >= self._next_beat:
+                self._next_beat = time.monotonic() + self._beat_interval
+                try:
+                    self._beat()
+                except Exception as exc:  # the database down: the next interval tries again
+                    log.warning("child %d: worker heartbeat failed (%s: %s)", os.getpid(),
+                                type(exc).__name__, exc)  # fmt: skip

@@ -57,9 +57,10 @@ class PassSettings:
 
     @property
     def effective_heartbeat_interval(self) -> float:
-        """Seconds between lease refreshes: `heartbeat_interval`, else a fifth of `stale_after`.
+        """Seconds between worker heartbeats: `heartbeat_interval`, else a fifth of `stale_after`.
 
-        A fifth leaves four missed beats before the lease may be taken over (design §4).
+        A fifth leaves four missed beats before the worker's leases may be taken over
+        (design §4, "Dead workers' leases").
         """
         return self.heartbeat_interval or self.stale_after / 5
 

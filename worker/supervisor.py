@@ -18,16 +18,17 @@ its `arbiter.py`. One single-threaded loop:
 
 A child that gives up on a handler it cannot stop at its task's timeout exits with
 `child.HANDLER_STUCK` after writing what it owed, having named the task on its status pipe:
-it is logged, counted as a restart, its remaining leases taken back, and it is replaced.
+it is logged, counted as a restart, and replaced; its remaining leases go back once its
+`workers` row is stale (the sweep, decision 0010).
 
 Hung children (gunicorn's worker timeout, design §5): each child has a second pipe on which
 a thread of its own writes a byte every second while the child is alive
 (`liveness.AliveSignal`). The loop reads it without waiting on it (no wake-up per byte); a
 child silent for `child_timeout` is killed with SIGKILL, counted in `timeouts` and replaced.
-The tasks of any child reaped while the supervisor runs go back to the queue at once: the
-next child to boot takes back the leases of the dead ones (`Inherited.dead_holders`), so
-they need not wait out the stale window. The monotonic clock of the supervisor measures the
-silence: no file times, so a step of the wall clock neither kills nor hides a child.
+The same thread beats the child's `workers` row; the tasks of a child that died go back to
+the queue once that row is older than the stale window (the sweep). The monotonic clock of
+the supervisor measures the silence: no file times, so a step of the wall clock neither
+kills nor hides a child.
 
 Signals: TERM and INT stop gracefully (TERM to every child, reap every 100 ms for up to
 `shutdown_timeout`, then KILL what is left); QUIT is the same with a one-second grace
@@ -117,8 +118,7 @@ class ChildProcess:
 
     `started_at` is monotonic; `generation` is the HUP generation it was spawned in;
     `status_fd` and `alive_fd` are the read ends of its status and alive pipes (-1 once
-    closed); `alive_at` (monotonic) is when it last said it was alive; `dead_holders` are
-    the dead children whose leases it takes back at boot.
+    closed); `alive_at` (monotonic) is when it last said it was alive.
     """
 
     pid: int
@@ -127,7 +127,6 @@ class ChildProcess:
     status_fd: int
     alive_fd: int = -1
     alive_at: float = 0.0
-    dead_holders: tuple[str, ...] = ()
     status: bytes = b""
     booted: bool = False
     retiring: bool = False
@@ -188,9 +187,6 @@ class Supervisor:
         # Boot failures since the last successful boot: their backoff, and while any, one
         # booting child at a time.
         self._boot_streak = 0
-        # `locked_by` of reaped children whose leases no booted child has taken back yet,
-        # and when each died (monotonic).
-        self._dead_holders: dict[str, float] = {}
         self._wake_r = -1
         self._wake_w = -1
         self._exporter: exporter.Exporter | None = None
@@ -415,11 +411,6 @@ class Supervisor:
     def _on_exit(self, proc: ChildProcess, status: int) -> None:
         now = time.monotonic()
         code, how = _describe_exit(proc, status)
-        if code not in (0, child.BOOT_ERROR) and not self._stopping:
-            # Killed or crashed, and dead for sure (reaped): none of its writes can come
-            # after the take-back. A child that could not boot never claimed; one that
-            # stopped cleanly handed its tasks back itself.
-            self._dead_holders[child.worker_id(proc.pid)] = now
         if proc.retiring or self._stopping:
             level = logging.INFO if code in (0, None) else logging.WARNING
             if code == child.HANDLER_STUCK:
@@ -442,7 +433,7 @@ class Supervisor:
             return
         if code == child.HANDLER_STUCK:
             # Its pass wrote the task's retry and what else it owed; whatever it could not
-            # write, its leases, the next child takes back at boot (dead holders, above).
+            # write, its leases, the sweep takes back once its row is stale.
             log.error(
                 "child %d exited: %s (a handler blocked outside Python, or one that caught "
                 "HandlerTimeout); its other tasks go back to the queue; replacing it in %.2fs",
@@ -608,7 +599,6 @@ class Supervisor:
         """Fork one child; return False when fork failed (retried after a delay)."""
         status_r, status_w = os.pipe()
         alive_r, alive_w = os.pipe()
-        dead_holders = self._dead_holders_to_take_back()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         inherited = child.Inherited(
             # Read before forking: if the supervisor died between fork and the child's
@@ -618,7 +608,6 @@ class Supervisor:
             status_fd=status_w,
             signal_mask=frozenset(signal.Signals(sig) for sig in mask),
             alive_fd=alive_w,
-            dead_holders=dead_holders,
         )
         try:
             pid = os.fork()
@@ -639,23 +628,10 @@ class Supervisor:
         now = time.monotonic()
         self.children[pid] = ChildProcess(
             pid, now, self._generation, status_r,
-            alive_fd=alive_r, alive_at=now, dead_holders=dead_holders,
+            alive_fd=alive_r, alive_at=now,
         )  # fmt: skip
         log.info("spawned child %d", pid)
         return True
-
-    def _dead_holders_to_take_back(self) -> tuple[str, ...]:
-        """The dead children whose leases the next child takes back at boot.
-
-        Only those that died within the stale window: older ones' leases have expired
-        already, and the longer a `host:pid` waits, the likelier its pid is reused by a
-        live worker of another supervisor on this host.
-        """
-        now = time.monotonic()
-        for holder, died_at in list(self._dead_holders.items()):
-            if now - died_at >= self.settings.stale_after:
-                del self._dead_holders[holder]
-        return tuple(self._dead_holders)
 
     def _become_child(self, inherited: child.Inherited, parents_ends: tuple[int, ...]) -> None:
         """Turn this freshly forked process into a child; never returns.
@@ -702,9 +678,6 @@ class Supervisor:
                 proc.booted = True
                 self._boot_failures.clear()  # a boot in between: failures are no longer in a row
                 self._boot_streak = 0
-                # It booted, so it took back the leases of the dead children it was given.
-                for holder in proc.dead_holders:
-                    self._dead_holders.pop(holder, None)
 
     def _close_status(self, proc: ChildProcess) -> None:
         if proc.status_fd >= 0:

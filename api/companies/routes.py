@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -17,7 +18,7 @@ from api.companies.schemas import (
     CompanySchema,
 )
 from api.parser import Blueprint
-from db import companies
+from db import companies, workers
 
 blp = Blueprint("companies", __name__, url_prefix="/companies", description="Tenants.")
 
@@ -110,14 +111,17 @@ class CompanyPause(MethodView):
         """Pause a company's tasks (its own key, or the admin token).
 
         New tasks are accepted and kept, but none is started: once this answers, no worker
-        claims another of its tasks. Tasks already running finish; one retried or whose
-        worker was lost waits. Pausing a paused company changes nothing.
+        starts another of its tasks (those already claimed are handed back unstarted). Tasks
+        already running finish; one retried or whose worker was lost waits. Pausing a paused
+        company changes nothing.
         """
         # Several statements that must commit together (db.companies.pause_company): not the
         # request's session, whose statements each commit on their own.
         with database.session_factory()() as session:
             company = companies.pause_company(session, company_id)
             session.commit()
+        # Workers trust what they read of pauses this long: answered later, none starts a task.
+        time.sleep(workers.PAUSE_SEEN_WITHIN_SECONDS)
         return company
 
 

@@ -50,7 +50,7 @@ from api.dashboard.forms import (
 )
 from api.parser import REPEATED_PARAMETER
 from api.settings import ApiSettings
-from db import companies, dashboard, engine, queue, queue_health, statistics, tenant_stats
+from db import companies, dashboard, engine, queue, queue_health, statistics, tenant_stats, workers
 from db.models import TaskStatus
 from worker import tasktypes
 
@@ -461,12 +461,14 @@ def _first(moment: tuple[dt.datetime, str]) -> dt.datetime:
 
 @blp.post("/companies/<uuid:company_id>/pause")
 def pause(company_id: uuid.UUID) -> ResponseReturnValue:
-    """Pause a company: once this answers, no worker claims another of its tasks."""
+    """Pause a company: once this answers, no worker starts another of its tasks."""
     # Several statements that commit together (db.companies.pause_company): not the
     # request's session, whose statements each commit on their own.
     with database.session_factory()() as writer:
         paused = companies.pause_company(writer, company_id)
         writer.commit()
+    # Workers trust what they read of pauses this long: answered later, none starts a task.
+    time.sleep(workers.PAUSE_SEEN_WITHIN_SECONDS)
     flash(f"Paused {paused.name}: no worker starts its tasks now; running ones finish.")
     return _back(url_for(".company", company_id=company_id))
 

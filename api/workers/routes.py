@@ -18,6 +18,7 @@ exits) stays in that handler, and the response waits until it returns.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 
 from flask import current_app
@@ -65,7 +66,9 @@ class Process(MethodView):
         settings: ApiSettings = current_app.config["FAIRQ_SETTINGS"]
         return processing.run_pass(
             database.session_factory(),
-            worker_id=f"{socket.gethostname()}:{os.getpid()}:api",
+            # One holder per request (its `workers` row): concurrent passes of this process
+            # must not delete each other's.
+            worker_id=f"{socket.gethostname()}:{os.getpid()}:api-{secrets.token_hex(3)}",
             settings=PassSettings(
                 stale_after=settings.stale_after_seconds, handler_config=settings.handler_config
             ),

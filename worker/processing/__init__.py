@@ -1,8 +1,8 @@
 """Processing passes: claim a batch of tasks, run each task's handler, finalize each task.
 
-Words: a *pass* is one cycle (write what an earlier pass left unwritten, sweep expired
-leases, claim, run, finalize); its *batch* is the tasks that pass claimed. Worker children run
-pass after pass (`worker.child`), `python -m worker --once` runs one, and so does
+Words: a *pass* is one cycle (write what an earlier pass left unwritten, sweep the leases
+of dead workers, claim, run, finalize); its *batch* is the tasks that pass claimed. Worker
+children run pass after pass (`worker.child`), `python -m worker --once` runs one, and so does
 `POST /workers/process`. The claim and every finalization are short transactions of their
 own; handlers run holding no transaction and no row lock (STYLE "Database").
 
@@ -14,12 +14,15 @@ The pieces, each in its module:
 - `timeouts`: each attempt's deadline, and stopping a handler still running at it;
 - `task_result`: what a handler returned, as the JSON text its task stores;
 - `finalize`: writing each outcome fenced by the task's lease, and reporting it once;
-- `completion_buffer`: completions waiting to be written together;
-- `held_leases`: the leases a pass holds and their heartbeat;
-- `lease_keeper`: the thread that heartbeats and flushes while handlers run;
+- `completer`: where the pass hands each completion (`Completer`), written in batches;
+- `held_leases`: the leases a pass holds;
+- `holder`: this process as a registered worker (`workers` row) and its heartbeat;
+- `pauses`: whether the batch's companies were paused since the claim;
+- `lease_keeper`: the thread that flushes completions and checks timeouts and pauses while
+  handlers run (and beats a pass's own holder);
 - `runners`: the threads that run handlers beside the pass's own (`WORKER_THREADS`);
 - `unwritten`: outcomes a database error kept from being written, for the next pass;
-- `sweep`: taking back expired leases, and how often;
+- `sweep`: taking back the leases of dead workers, and how often;
 - `database`: the pass's sessions and connection, its writes one thread at a time;
 - `observer`, `result`: what a pass reports (metrics) and returns;
 - `task_log`: its log lines, one per task transition.
@@ -30,6 +33,7 @@ The names below are the package's interface; the modules' other names are its in
 from __future__ import annotations
 
 from worker.processing.database import WORKER_STATEMENT_TIMEOUT_MS
+from worker.processing.holder import Holder
 from worker.processing.lease_keeper import LeaseKeeper
 from worker.processing.observer import PassObserver
 from worker.processing.one_pass import run_pass, write_unwritten
@@ -41,6 +45,7 @@ from worker.processing.unwritten import UnwrittenOutcomes
 
 __all__ = [
     "WORKER_STATEMENT_TIMEOUT_MS",
+    "Holder",
     "LeaseKeeper",
     "PassObserver",
     "PassResult",

@@ -1,4 +1,5 @@
-"""Finalizing a pass's tasks: write each outcome fenced by its lease, then report it once.
+"""Finalizing a pass's tasks that did not complete: write each retry, failure or release fenced
+by its lease, then report it once (completions: `completer`).
 
 A report is a log line (`task_log`), a count in the pass's result and a call to its observer.
 A fenced write that matches nothing reports the task's lease as lost instead (design §1.2).
@@ -7,15 +8,12 @@ A fenced write that matches nothing reports the task's lease as lost instead (de
 from __future__ import annotations
 
 import logging
-import time
-import uuid
 from collections.abc import Sequence
 
 from sqlalchemy.orm import Session
 
 from db import queue
 from worker.processing import outcome, task_log
-from worker.processing.completion_buffer import Completion, CompletionBuffer
 from worker.processing.database import PassDatabase
 from worker.processing.held_leases import HeldLeases
 from worker.processing.observer import PassObserver
@@ -24,10 +22,7 @@ from worker.processing.task_log import log
 
 
 class Finalizer:
-    """Writes and reports the outcomes of one pass's tasks.
-
-    Used by the pass, and by its lease keeper for the completions that are due.
-    """
+    """Writes and reports the retries, failures and releases of one pass's tasks."""
 
     def __init__(
         self,
@@ -40,20 +35,6 @@ class Finalizer:
         self.leases = leases
         self.counter = counter
         self.observer = observer
-        self.completions = CompletionBuffer()
-
-    def complete(
-        self,
-        task: queue.ClaimedTask,
-        lease: queue.Lease,
-        seconds: float,
-        result: str | None = None,
-    ) -> None:
-        """Buffer the completion of `task`, whose handler ran `seconds`; a flush writes it.
-
-        `result` is what the handler returned, as JSON text (`task_result.encode`), or None.
-        """
-        self.completions.append(Completion(task, lease, seconds, time.monotonic(), result))
 
     def settle(
         self,
@@ -103,54 +84,12 @@ class Finalizer:
         self.counter.add(count)
         observe(task.type, seconds)
 
-    def flush_completions(self, session: Session, *, force: bool) -> None:
-        """Write buffered completions in one fenced statement: all, or if not `force` those due.
-
-        On an error they stay buffered for the next flush, and the error propagates.
-        """
-        done = self.completions.take(force=force)
-        if not done:
-            return
-        leases = [d.lease for d in done]
-        # Results only when some handler returned one: else the statement without them.
-        results = [d.result for d in done] if any(d.result is not None for d in done) else None
-        try:
-            completed = self.db.write(
-                session, lambda: queue.complete_tasks(session, leases, results)
-            )
-        except BaseException:
-            self.completions.put_back(done)
-            raise
-        self._report_completions(done, completed)
-
-    def _report_completions(self, done: Sequence[Completion], completed: set[uuid.UUID]) -> None:
-        """Report written completions; `completed` are the ids whose lease matched."""
-        self.leases.let_go(item.task.id for item in done)
-        info = log.isEnabledFor(logging.INFO)  # below INFO no line's fields are built
-        durations: dict[str, list[float]] = {}
-        for item in done:
-            task = item.task
-            if task.id not in completed:
-                self.lease_lost(task, outcome.Complete.action, item.seconds)
-                continue
-            if info:
-                fields = task_log.task_fields(task, "task.completed", item.seconds)
-                log.info(task_log.MSG_COMPLETED, fields, extra=fields)
-            durations.setdefault(task.type, []).append(item.seconds)
-        self.counter.add(PassResult(completed=sum(map(len, durations.values()))))
-        # One report per type and flush: the observer's metric writes are per call.
-        for task_type, seconds in durations.items():
-            self.observer.completed(task_type, seconds)
-
     def release(self, session: Session, tasks: Sequence[queue.ClaimedTask]) -> None:
         """Hand back `tasks`, whose handlers never started, with their attempt (design §4).
 
-        A lease the lease keeper already found taken over is not ours to release: it is
-        reported lost.
+        Fenced: a task whose lease was taken back is reported lost.
         """
-        lost, mine = self.leases.split_lost(tasks)
-        for task in lost:
-            self.lease_lost(task, "release")
+        mine = list(tasks)
         if not mine:
             return
         released = self.db.write(

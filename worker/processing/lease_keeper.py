@@ -1,10 +1,11 @@
-"""The lease keeper: a thread that keeps a running pass's leases alive (design §4 Heartbeat).
+"""The lease keeper: a thread that works for a running pass beside its handlers.
 
-While a pass runs its batch, the keeper refreshes the leases it holds every heartbeat
-interval, so a long task is never taken over while its worker is alive, and writes the
-completions that are due, so they need not wait for the end of the pass. Each tick it also
-stops any handler running past its task's timeout (`timeouts`), from outside the handler's
-thread, which is busy with the handler.
+While a pass runs its batch, the keeper writes the completions that are due, so they need
+not wait for the end of the pass; stops any handler running past its task's timeout
+(`timeouts`), from outside the handler's thread, which is busy with the handler; reads the
+batch's pauses again when a batch starts nothing for a while (`pauses`); and, every heartbeat
+interval, beats the pass's holder when the pass registered its own (a pass outside a worker
+child; a child's liveness thread beats the child's: decision 0010).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class KeptPass(Protocol):
 
     @property
     def heartbeat_interval(self) -> float:
-        """Seconds between two heartbeats."""
+        """Seconds between two beats of the pass's own holder."""
         ...
 
     def new_session(self) -> Session:
@@ -38,7 +39,7 @@ class KeptPass(Protocol):
         ...
 
     def heartbeat(self, session: Session) -> None:
-        """Refresh every lease the pass holds."""
+        """Beat the pass's own holder, if it has one."""
 
     def flush_due_completions(self, session: Session) -> None:
         """Write the completions that have waited long enough."""
@@ -46,9 +47,13 @@ class KeptPass(Protocol):
     def stop_overdue_handler(self, session: Session) -> None:
         """Stop each handler running past its timeout; give up on one after the grace."""
 
+    def refresh_pauses(self, session: Session) -> None:
+        """Read again which of the batch's companies are paused, once the last read ages."""
+
 
 class LeaseKeeper:
-    """A thread that heartbeats the attached pass's leases and flushes its due completions.
+    """A thread that flushes the attached pass's due completions, checks its timeouts and
+    pauses, and beats its own holder.
 
     A worker child keeps one for its life, attaching each pass in turn (docs/decisions/0003);
     a pass given none starts its own. The thread wakes every `TICK_SECONDS` (or heartbeat
@@ -112,6 +117,7 @@ class LeaseKeeper:
                 self._next_beat = time.monotonic() + owner.heartbeat_interval
                 owner.heartbeat(self._session)
             owner.flush_due_completions(self._session)
+            owner.refresh_pauses(self._session)
             # Lines of a pass of slow tasks must not wait for the end of the pass.
             fairq_logging.write_due()
         except Exception as exc:

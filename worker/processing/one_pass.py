@@ -8,25 +8,32 @@ its runner threads when it runs several handlers at once (`runners`).
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
+import psycopg
 from sqlalchemy.orm import Session
 
 from common import logging as fairq_logging
 from db import queue
+from db.engine import driver_connection, driver_errors
 from worker import backoff, tasktypes
 from worker.errors import HandlerTimeout, PermanentTaskError
 from worker.processing import database, outcome, sweep, task_log, task_result, timeouts
-from worker.processing.completion_buffer import Completion
+from worker.processing.completer import BatchCompleter, Completer, Completion
 from worker.processing.database import PassDatabase, SessionSource
 from worker.processing.finalize import Finalizer
 from worker.processing.held_leases import HeldLeases
+from worker.processing.holder import Holder
 from worker.processing.lease_keeper import LeaseKeeper
 from worker.processing.observer import NoopObserver, PassObserver
+from worker.processing.pauses import BatchPauses
 from worker.processing.result import PassResult, ResultCounter
 from worker.processing.runners import Runners
 from worker.processing.sweep import SweepSchedule
@@ -36,6 +43,7 @@ from worker.processing.unwritten import UnwrittenOutcomes
 from worker.settings import PassSettings
 from worker.tasktypes.base import JsonValue, TaskContext, TaskType
 
+T = TypeVar("T")
 StopFlag = threading.Event | Callable[[], bool] | None
 # Told of a handler the pass gave up on (`timeouts`), once its outcome is written.
 OnUnstoppable = Callable[[timeouts.Unstoppable], None]
@@ -71,6 +79,7 @@ def run_pass(
     keeper: LeaseKeeper | None = None,
     on_unstoppable: OnUnstoppable | None = None,
     runners: Runners | None = None,
+    holder: Holder | None = None,
 ) -> PassResult:
     """Run one pass: sweep, claim up to `settings.batch_size` tasks, run and finalize each.
 
@@ -105,6 +114,11 @@ def run_pass(
 
     `keeper` is a lease keeper to attach the pass to; without one the pass starts its own.
     `runners`: runner threads to use (at most `settings.threads - 1` of them are).
+
+    `holder`: the registered worker `worker_id` names, kept alive by its caller (a worker
+    child's liveness thread beats it). Without one, a pass that claimed anything registers
+    `worker_id` itself (`workers` row), its lease keeper beats it every
+    `settings.effective_heartbeat_interval`, and the pass deletes the row at its end.
     """
     with fairq_logging.batched(), database.opened(sessions) as db:
         return ProcessingPass(
@@ -119,6 +133,7 @@ def run_pass(
             keeper=keeper,
             on_unstoppable=on_unstoppable,
             runners=runners,
+            holder=holder,
         ).run()
 
 
@@ -172,6 +187,7 @@ class ProcessingPass:
         keeper: LeaseKeeper | None = None,
         on_unstoppable: OnUnstoppable | None = None,
         runners: Runners | None = None,
+        holder: Holder | None = None,
     ) -> None:
         heartbeat_interval = settings.effective_heartbeat_interval
         if not 0 < heartbeat_interval < settings.stale_after:
@@ -190,9 +206,18 @@ class ProcessingPass:
         self.sweep_schedule = sweep_schedule
         self.keeper = keeper
         self.runners = runners
+        # The pass's own holder when it was given none (made once it claimed something),
+        # beaten by its lease keeper; a given one is beaten by whoever gave it.
+        self.holder = holder
+        self._own_holder = False
+        self._generation = 0  # the holder's generation when the batch was claimed
         self.counter = ResultCounter()
         self.leases = HeldLeases()
+        self.pauses = BatchPauses()
         self.finalizer = Finalizer(db, self.leases, self.counter, observer)
+        self.completer: Completer = BatchCompleter(
+            db, self.leases, self.counter, observer, self.finalizer.lease_lost
+        )
         # Held tasks whose handler has not started: released if the pass ends early. Shared
         # by the runners, `_give_up` (the keeper's thread) and `_finish`: a task belongs to
         # whoever pops it from here (`dict.pop` and `popitem` are atomic under the GIL). No
@@ -219,12 +244,39 @@ class ProcessingPass:
         return self.db.session()
 
     def heartbeat(self, session: Session) -> None:
-        """Refresh every held lease; remember the ones found taken over."""
-        self.leases.heartbeat(self.db, session)
+        """Beat the pass's own holder (a given holder is beaten by its owner)."""
+        if self._own_holder and self.holder is not None:
+            self.holder.beat()
 
     def flush_due_completions(self, session: Session) -> None:
         """Write the completions that have waited long enough."""
-        self.finalizer.flush_completions(session, force=False)
+        self.completer.flush(session, force=False)
+
+    def refresh_pauses(self, session: Session) -> None:
+        """Read again which of the batch's companies are paused, once the last read ages;
+        hand back the unstarted tasks of those that are."""
+        self.pauses.refresh(self.db, session)
+        self._hand_back_paused(session)
+
+    def _hand_back_paused(self, session: Session) -> None:
+        """Release, attempt not counted, the unstarted tasks of the companies seen paused.
+
+        From any thread: a task popped here is never started by a runner, which pops it
+        before it starts it. On a database error they stay unstarted for `_finish`.
+        """
+        paused = self.pauses.seen_paused
+        if not paused:
+            return
+        # list() of a dict's values runs no Python code: atomic under the GIL.
+        candidates = [t for t in list(self._unstarted.values()) if t.company_id in paused]
+        taken = [t for t in candidates if self._unstarted.pop(t.id, None) is not None]
+        if not taken:
+            return
+        try:
+            self.finalizer.release(session, taken)
+        except BaseException:
+            self._unstarted.update((t.id, t) for t in taken)
+            raise
 
     def stop_overdue_handler(self, session: Session) -> None:
         """Stop each handler running past its timeout; give up on one after the grace."""
@@ -267,7 +319,7 @@ class ProcessingPass:
                 backoff=self._backoff,
             )
             self.finalizer.settle(session, task, decision, seconds=ran)
-            self.finalizer.flush_completions(session, force=True)
+            self.completer.flush(session, force=True)
             self.finalizer.release(session, unstarted)
             unstarted = []
         except Exception as exc:
@@ -298,7 +350,7 @@ class ProcessingPass:
         self._reported = True
         first = self._stuck[0]
         try:
-            self.finalizer.flush_completions(session, force=True)
+            self.completer.flush(session, force=True)
         except Exception as exc:
             log.warning(
                 "could not write the last completions of the pass that gave up on task %s "
@@ -317,7 +369,7 @@ class ProcessingPass:
             # Before the claim: a task whose completion is unwritten is never claimed again.
             self.write_unwritten(session)
             if self.sweep_schedule is None or self.sweep_schedule.due():
-                sweep.sweep_expired_leases(
+                sweep.sweep_dead_workers(
                     self.db, session,
                     stale_after=self.settings.stale_after, schedule=self.sweep_schedule,
                     counter=self.counter, observer=self.observer,
@@ -327,6 +379,8 @@ class ProcessingPass:
             batch, leases = self._claim(session)
             if not batch:
                 return self.counter.result()
+            if self.holder is None:
+                self._register_own_holder()
             keeper = self.keeper or LeaseKeeper()
             keeper.attach(self)
             try:
@@ -336,10 +390,38 @@ class ProcessingPass:
                 # The error in flight matters more than a second one from the database.
                 with contextlib.suppress(Exception):
                     self._finish(session)
+                    self._deregister_own_holder()
                 raise
             self._detach(keeper)
             self._finish(session)
+            self._deregister_own_holder()
         return self.counter.result()
+
+    def _register_own_holder(self) -> None:
+        # After the claim: a sweep finds its leases with no holder row, but younger than the
+        # stale window, and leaves them.
+        self.holder = Holder(
+            self.worker_id, host=socket.gethostname(), pid=os.getpid(), write=self._write_own
+        )
+        self._own_holder = True
+        self.holder.register()
+        self._generation = self.holder.generation
+
+    def _deregister_own_holder(self) -> None:
+        # Not when something stays unwritten: those leases are still held, and the sweep
+        # takes them back once the row is stale.
+        if self._own_holder and self.holder is not None and not self.unwritten:
+            self.holder.deregister()
+
+    def _write_own(self, statement: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """Run `statement` on the pass's database, committed (the own holder's writes)."""
+        with self.db.session() as session:
+
+            def sent() -> T:
+                with driver_errors("workers"):
+                    return statement(driver_connection(session, transaction=False))
+
+            return self.db.write(session, sent)
 
     def _detach(self, keeper: LeaseKeeper) -> None:
         keeper.detach()
@@ -353,7 +435,7 @@ class ProcessingPass:
         completions, releases = self.unwritten.take()
         self.leases.hold(c.lease for c in completions)
         self.leases.hold(t.lease for t in releases)
-        self.finalizer.completions.extend(completions)
+        self.completer.keep(completions)
         self._unstarted.update((t.id, t) for t in releases)
         log.info(
             "writing %d completions and %d releases left unwritten by a database error",
@@ -371,10 +453,10 @@ class ProcessingPass:
         """
         unstarted = self._take_unstarted()
         try:
-            self.finalizer.flush_completions(session, force=True)
+            self.completer.flush(session, force=True)
             self.finalizer.release(session, unstarted)
         except BaseException as exc:
-            completions = self.finalizer.completions.take()
+            completions = self.completer.take()
             unstarted = [t for t in unstarted if self.leases.holds(t.id)]
             if completions or unstarted:
                 self._keep_unwritten(completions, unstarted, exc)
@@ -421,7 +503,9 @@ class ProcessingPass:
         self.counter.add(PassResult(claimed=len(batch)))
         leases = [task.lease for task in batch]  # made once: held, then completed under
         self.leases.hold(leases)
-        self.leases.confirmed_at = leased_at
+        if self.holder is not None:
+            self._generation = self.holder.generation
+        self.pauses.claimed((task.company_id for task in batch), leased_at)
         if batch:
             log.info(
                 "claimed %d tasks in %.1f ms", len(batch), seconds * 1000,
@@ -479,10 +563,14 @@ class ProcessingPass:
             for task, lease in tasks:
                 if self._closed or self.stop():
                     return  # the task taken stays unstarted: `run` releases it
-                self._confirm_leases(session)
-                if self.leases.any_lost and self.leases.take_lost(task.id):
-                    self._unstarted.pop(task.id, None)
-                    self.finalizer.lease_lost(task, "start")
+                if not self._still_alive():
+                    # Declared dead by a sweep: every lease of the batch was taken back, or
+                    # is about to be. The tasks stay unstarted: `run` hands back (fenced)
+                    # those still ours, and reports the others lost.
+                    self._closed = True
+                    return
+                if self.pauses.paused(task.company_id, self.db, session):
+                    self._hand_back_paused(session)  # its company was paused since the claim
                     continue
                 task_type = tasktypes.get(task.type)
                 if task_type is None:
@@ -529,12 +617,19 @@ class ProcessingPass:
             self._unstarted[task.id] = task
             raise
 
-    def _confirm_leases(self, session: Session) -> None:
-        # The keeper refreshes leases in the background; if it has fallen behind (database
-        # hiccup), find out which leases are still ours before starting anything, or a task
-        # another worker took over could run twice at once (design §1.2).
-        if time.monotonic() - self.leases.confirmed_at > self.settings.stale_after / 2:
-            self.heartbeat(session)
+    def _still_alive(self) -> bool:
+        """Whether the batch's leases are still ours: the holder's row not swept since the claim.
+
+        Its heartbeat runs in the background; if it has fallen behind (a database hiccup,
+        a stalled liveness thread), beat now before starting anything, or a task another
+        worker took over could run twice at once (design §1.2).
+        """
+        holder = self.holder
+        if holder is None:
+            return True
+        if time.monotonic() - holder.confirmed_at > self.settings.stale_after / 2:
+            holder.beat()
+        return holder.generation == self._generation
 
     def _run_one(
         self,
@@ -574,7 +669,7 @@ class ProcessingPass:
         seconds = time.monotonic() - started
         if raised is None and ending is Ending.IN_TIME:  # the common case, first
             if returned is None:
-                self.finalizer.complete(task, lease, seconds)
+                self.completer.complete(task, lease, seconds, None)
             else:
                 self._complete_with_result(session, task, lease, returned, seconds)
             return
@@ -598,7 +693,7 @@ class ProcessingPass:
                 session, task, outcome.unstorable_result(str(exc)), seconds=seconds
             )
             return
-        self.finalizer.complete(task, lease, seconds, result)
+        self.completer.complete(task, lease, seconds, result)
 
     def _finalize_failure(
         self,

@@ -1,6 +1,8 @@
-"""Taking back expired leases before a claim (design §4, Expired leases), and how often.
+"""The one sweep: taking back the leases of dead holders before a claim (design §4, "Dead
+workers' leases"), and how often.
 
-A worker child sweeps every few seconds (`SweepSchedule`); any other caller, every pass.
+Dead: a worker whose heartbeat (`holder`) is older than the stale window. A worker child
+sweeps every few seconds (`SweepSchedule`); any other caller, every pass.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ import time
 
 from sqlalchemy.orm import Session
 
-from db import queue
+from db import workers
+from db.engine import driver_connection, driver_errors
 from worker.processing import task_log
 from worker.processing.database import PassDatabase
 from worker.processing.observer import PassObserver
@@ -20,7 +23,7 @@ from worker.processing.task_log import log
 # lease is taken over this much later at worst, against a round trip saved on nearly every
 # claim.
 SWEEP_INTERVAL_SECONDS = 5.0
-# Expired leases taken back per sweep at most, so a mass crash costs each pass a slice.
+# Leases taken back per sweep at most, so a mass crash costs each pass a slice.
 SWEEP_LIMIT = 1000
 
 
@@ -48,7 +51,7 @@ class SweepSchedule:
         return cls(min(SWEEP_INTERVAL_SECONDS, stale_after / 10))
 
 
-def sweep_expired_leases(
+def sweep_dead_workers(
     db: PassDatabase,
     session: Session,
     *,
@@ -57,10 +60,14 @@ def sweep_expired_leases(
     counter: ResultCounter,
     observer: PassObserver,
 ) -> None:
-    """Take back leases not refreshed for `stale_after` seconds; fail the poison pills."""
-    expired = db.write(
-        session, lambda: queue.expire_leases(session, stale_after=stale_after, limit=SWEEP_LIMIT)
-    )
+    """Take back the leases of workers silent for `stale_after` seconds; fail the poison pills."""
+
+    def take_back() -> list[workers.TakenBack]:
+        with driver_errors("take_back_leases"):
+            conn = driver_connection(session, transaction=False)
+            return workers.take_back_leases(conn, stale_after=stale_after, limit=SWEEP_LIMIT)
+
+    expired = db.write(session, take_back)
     # A full sweep may have left more behind (a mass crash): sweep again next pass.
     if schedule is not None and len(expired) < SWEEP_LIMIT:
         schedule.swept()

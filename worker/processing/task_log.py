@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import traceback
 
-from db import queue
+from db import queue, workers
 
 log = logging.getLogger("fairq.worker.processing")
 
@@ -43,7 +43,7 @@ MSG_UNSTOPPABLE = (
 
 
 def task_fields(
-    task: queue.ClaimedTask | queue.ExpiredLease, event: str, seconds: float | None, **more: object
+    task: queue.ClaimedTask | workers.TakenBack, event: str, seconds: float | None, **more: object
 ) -> dict[str, object]:
     """The fields of a task transition's line; `duration_ms` is None when no handler ran.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from db import queue
-from worker.processing.completion_buffer import Completion
+from worker.processing.completer import Completion
 
 
 class UnwrittenOutcomes:
