@@ -14,7 +14,7 @@ from flask import Response, current_app, jsonify, request, url_for
 from flask.views import MethodView
 from flask_smorest import abort
 
-from api import auth, database, errors
+from api import auth, database, errors, settings
 from api.parser import Blueprint
 from api.settings import ApiSettings
 from api.tasks.schemas import (
@@ -134,7 +134,7 @@ class Tasks(MethodView):
             timeout_seconds=body["timeout_seconds"],
             idempotency_key=key,
             request_hash=request_hash(body) if key is not None else None,
-            notify_channel=current_app.config["FAIRQ_SETTINGS"].notify_channel,
+            notify_channel=settings.current().notify_channel,
         )
         database.release()
         location = url_for("tasks.TaskById", company_id=company_id, task_id=task.id)
@@ -176,8 +176,7 @@ def batch_body_limit(view: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(view)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        settings: ApiSettings = current_app.config["FAIRQ_SETTINGS"]
-        request.max_content_length = settings.max_batch_body_bytes
+        request.max_content_length = settings.current().max_batch_body_bytes
         return view(*args, **kwargs)
 
     return wrapper
@@ -270,7 +269,7 @@ class TaskBatches(MethodView):
                 session,
                 company_id=company_id,
                 tasks=items,
-                notify_channel=current_app.config["FAIRQ_SETTINGS"].notify_channel,
+                notify_channel=settings.current().notify_channel,
             )
             session.commit()
         # Serialized without marshmallow (`dump_tasks`): it took longer than the insert.
