@@ -11,14 +11,11 @@ from typing import Any
 import pytest
 from flask import Flask, jsonify
 from flask.testing import FlaskClient
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from api.tasks.schemas import TaskPageSchema, TaskSchema, dump_tasks
+from api.tasks.schemas import TaskPageSchema, TaskSchema
 from db import queue
-from db.models import TaskStatus
 from tests.factories import (
     CompanyWithKey,
     CreatedTask,
@@ -27,7 +24,6 @@ from tests.factories import (
     count_tasks,
     json_of,
 )
-from tests.strategies import json_values
 
 TASK_FIELDS = {
     "id",
@@ -403,49 +399,6 @@ def test_run_at_in_the_past_means_now_and_does_not_jump_the_queue(
 
 
 # -- serialization -----------------------------------------------------------------------------
-
-# Aware instants in any zone (fixed offsets, DST zones with either fold), as psycopg reads them.
-_instants = st.datetimes(
-    min_value=dt.datetime(1970, 1, 2),
-    max_value=dt.datetime(9998, 12, 31),
-    timezones=st.one_of(st.timezones(), st.just(dt.UTC)),
-    allow_imaginary=False,
-)
-_records = st.builds(
-    queue.TaskRecord,
-    id=st.uuids(),
-    company_id=st.uuids(),
-    type=st.text(min_size=1, max_size=30),
-    payload=st.dictionaries(st.text(max_size=10), json_values, max_size=5),
-    status=st.sampled_from([status.value for status in TaskStatus]),
-    attempts=st.integers(0, 100),
-    max_attempts=st.integers(1, 100),
-    timeout_seconds=st.none() | st.integers(1, 86_400),
-    run_after=_instants,
-    idempotency_key=st.none() | st.text(min_size=1, max_size=30),
-    request_hash=st.none() | st.text(max_size=64),
-    last_error=st.none() | st.text(max_size=50),
-    created_at=_instants,
-    updated_at=_instants,
-    started_at=st.none() | _instants,
-    finished_at=st.none() | _instants,
-    result=json_values,
-)
-
-
-@settings(
-    max_examples=300,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(records=st.lists(_records, max_size=5))
-def test_dump_tasks_gives_what_the_task_schema_gives_for_any_task(
-    records: list[queue.TaskRecord],
-) -> None:
-    # The views answer with `dump_tasks`; the OpenAPI document describes `TaskSchema`.
-    assert dump_tasks(records) == TaskSchema().dump(records, many=True)
 
 
 def test_create_read_and_list_answer_the_schemas_bytes(

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-from flask import Response, current_app, jsonify, request, url_for
+from flask import request, url_for
 from flask.views import MethodView
 from flask_smorest import abort
 
@@ -26,7 +26,6 @@ from api.tasks.schemas import (
     TaskListQuerySchema,
     TaskPageSchema,
     TaskSchema,
-    dump_tasks,
 )
 from db import queue
 
@@ -60,16 +59,6 @@ def request_hash(body: dict[str, Any]) -> str:
         ensure_ascii=False,
     )
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def task_json(task: queue.TaskRecord) -> Response:
-    """The JSON response of one task: `TaskSchema`'s dump, serialized by `dump_tasks`.
-
-    flask-smorest passes a `Response` through as it is (status and headers still applied),
-    so the view's `@blp.response(..., TaskSchema)` only documents it. Flask's `jsonify`, as
-    on flask-smorest's own path, so the bytes are the same.
-    """
-    return jsonify(dump_tasks([task])[0])
 
 
 # Response headers of a create, as documented in the OpenAPI document.
@@ -139,8 +128,8 @@ class Tasks(MethodView):
         database.release()
         location = url_for("tasks.TaskById", company_id=company_id, task_id=task.id)
         if created:
-            return task_json(task), 201, {"Location": location}
-        return task_json(task), 200, {"Location": location, "Idempotent-Replayed": "true"}
+            return task, 201, {"Location": location}
+        return task, 200, {"Location": location, "Idempotent-Replayed": "true"}
 
     @blp.doc(operationId="list_tasks")
     @auth.company_required()
@@ -149,18 +138,15 @@ class Tasks(MethodView):
     @blp.error(401, "Missing or invalid token.")
     @blp.error(403, "The admin token cannot act for a company.")
     @blp.error(404, "No such company, or not yours.")
-    def get(self, query: dict[str, Any], company_id: uuid.UUID) -> Response:
+    def get(self, query: dict[str, Any], company_id: uuid.UUID) -> dict[str, Any]:
         """List the company's tasks, newest first, with optional status and type filters."""
         items, has_more = queue.list_tasks(database.connection(), company_id, **query)
-        # `TaskPageSchema`'s dump, the items by `dump_tasks` (as `task_json`).
-        return jsonify(
-            {
-                "items": dump_tasks(items),
-                "limit": query["limit"],
-                "offset": query["offset"],
-                "has_more": has_more,
-            }
-        )
+        return {
+            "items": items,
+            "limit": query["limit"],
+            "offset": query["offset"],
+            "has_more": has_more,
+        }
 
 
 P = ParamSpec("P")
@@ -272,14 +258,12 @@ class TaskBatches(MethodView):
                 notify_channel=settings.current().notify_channel,
             )
             session.commit()
-        # Serialized without marshmallow (`dump_tasks`): it took longer than the insert.
-        dumped = dump_tasks([task for task, _ in results])
-        for item, (_, created) in zip(dumped, results, strict=True):
-            item["replayed"] = not created
-        response = current_app.json.response({"items": dumped})
+        answer = {
+            "items": [{**task._asdict(), "replayed": not created} for task, created in results]
+        }
         if any(created for _, created in results):
-            return response, 201
-        return response, 200, {"Idempotent-Replayed": "true"}
+            return answer, 201
+        return answer, 200, {"Idempotent-Replayed": "true"}
 
 
 @blp.route("/tasks/<uuid:task_id>")
@@ -292,9 +276,9 @@ class TaskById(MethodView):
     @blp.error(401, "Missing or invalid token.")
     @blp.error(403, "The admin token cannot act for a company.")
     @blp.error(404, "No such task, or not yours.")
-    def get(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Response:
+    def get(self, company_id: uuid.UUID, task_id: uuid.UUID) -> queue.TaskRecord:
         """Read one task."""
-        return task_json(queue.get_task(database.connection(), company_id, task_id))
+        return queue.get_task(database.connection(), company_id, task_id)
 
 
 @blp.route("/tasks/<uuid:task_id>/cancel")
