@@ -11,11 +11,15 @@ from typing import Any
 import pytest
 from flask import Flask, jsonify
 from flask.testing import FlaskClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from api.tasks.schemas import TaskPageSchema, TaskSchema
+from api.tasks.task_json import task_response
 from db import queue
+from db.models import TaskStatus
 from tests.factories import (
     CompanyWithKey,
     CreatedTask,
@@ -24,6 +28,7 @@ from tests.factories import (
     count_tasks,
     json_of,
 )
+from tests.strategies import json_values
 
 TASK_FIELDS = {
     "id",
@@ -399,6 +404,53 @@ def test_run_at_in_the_past_means_now_and_does_not_jump_the_queue(
 
 
 # -- serialization -----------------------------------------------------------------------------
+
+
+# Aware instants in any zone (fixed offsets, DST zones with either fold), as psycopg reads them.
+_instants = st.datetimes(
+    min_value=dt.datetime(1970, 1, 2),
+    max_value=dt.datetime(9998, 12, 31),
+    timezones=st.one_of(st.timezones(), st.just(dt.UTC)),
+    allow_imaginary=False,
+)
+_records = st.builds(
+    queue.TaskRecord,
+    id=st.uuids(),
+    company_id=st.uuids(),
+    type=st.text(min_size=1, max_size=30),
+    payload=st.dictionaries(st.text(max_size=10), json_values, max_size=5),
+    status=st.sampled_from([status.value for status in TaskStatus]),
+    attempts=st.integers(0, 100),
+    max_attempts=st.integers(1, 100),
+    timeout_seconds=st.none() | st.integers(1, 86_400),
+    run_after=_instants,
+    idempotency_key=st.none() | st.text(min_size=1, max_size=30),
+    request_hash=st.none() | st.text(max_size=64),
+    last_error=st.none() | st.text(max_size=50),
+    created_at=_instants,
+    updated_at=_instants,
+    started_at=st.none() | _instants,
+    finished_at=st.none() | _instants,
+    result=json_values,
+)
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(records=st.lists(_records, max_size=5))
+def test_task_response_gives_what_the_task_schema_gives_for_any_task(
+    shared_app: Flask, records: list[queue.TaskRecord]
+) -> None:
+    # Create and read answer with `task_response`; the OpenAPI document describes `TaskSchema`.
+    with shared_app.app_context():
+        for record in records:
+            assert task_response(record).get_json() == TaskSchema().dump(record)
+            assert task_response(record).get_data() == jsonify(TaskSchema().dump(record)).get_data()
 
 
 def test_create_read_and_list_answer_the_schemas_bytes(

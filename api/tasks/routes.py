@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-from flask import request, url_for
+from flask import Response, request, url_for
 from flask.views import MethodView
 from flask_smorest import abort
 
@@ -27,6 +27,7 @@ from api.tasks.schemas import (
     TaskPageSchema,
     TaskSchema,
 )
+from api.tasks.task_json import task_response
 from db import queue
 
 blp = Blueprint(
@@ -128,8 +129,8 @@ class Tasks(MethodView):
         database.release()
         location = url_for("tasks.TaskById", company_id=company_id, task_id=task.id)
         if created:
-            return task, 201, {"Location": location}
-        return task, 200, {"Location": location, "Idempotent-Replayed": "true"}
+            return task_response(task), 201, {"Location": location}
+        return task_response(task), 200, {"Location": location, "Idempotent-Replayed": "true"}
 
     @blp.doc(operationId="list_tasks")
     @auth.company_required()
@@ -276,9 +277,9 @@ class TaskById(MethodView):
     @blp.error(401, "Missing or invalid token.")
     @blp.error(403, "The admin token cannot act for a company.")
     @blp.error(404, "No such task, or not yours.")
-    def get(self, company_id: uuid.UUID, task_id: uuid.UUID) -> queue.TaskRecord:
+    def get(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Response:
         """Read one task."""
-        return queue.get_task(database.connection(), company_id, task_id)
+        return task_response(queue.get_task(database.connection(), company_id, task_id))
 
 
 @blp.route("/tasks/<uuid:task_id>/cancel")
