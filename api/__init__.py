@@ -6,6 +6,7 @@ from flask import Flask
 
 from api import auth, dashboard, database, errors, metrics
 from api import logging as api_logging
+from api import settings as api_settings
 from api.settings import ApiSettings
 
 __all__ = ["create_app"]
@@ -24,8 +25,8 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
 
     settings = settings or ApiSettings.from_env()
     app = Flask("fairq")
+    api_settings.init_app(app, settings)
     app.config.update(
-        FAIRQ_SETTINGS=settings,
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
         API_TITLE="fairq",
         API_VERSION="1.0",

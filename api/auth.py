@@ -23,7 +23,7 @@ from typing import ParamSpec, TypeVar
 from flask import Flask, current_app, g, request
 from flask_smorest import abort
 
-from api import database, errors
+from api import database, errors, settings
 from db import companies
 
 API_KEY_PREFIX = "fq_"
@@ -130,8 +130,7 @@ def _bearer_token() -> str:
 
 
 def _admin_token() -> str | None:
-    token: str | None = current_app.config["FAIRQ_SETTINGS"].admin_token
-    return token
+    return settings.current().admin_token
 
 
 def authenticate() -> Principal:

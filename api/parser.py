@@ -10,19 +10,17 @@ body with 413 and a repeated single-valued query parameter with 422.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
 import logging
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar, cast
 
 import flask
 import flask_smorest
 from flask_smorest import abort
-from marshmallow import EXCLUDE, RAISE, Schema, ValidationError, fields
+from marshmallow import RAISE, Schema, ValidationError, fields
 from webargs import core
 from webargs.flaskparser import FlaskParser, is_json_request
 from werkzeug.exceptions import ClientDisconnected, HTTPException
@@ -47,11 +45,6 @@ _UTF8_CHARSETS = frozenset({"utf-8", "utf8"})
 REPEATED_PARAMETER = "given more than once; send it once"
 # marshmallow's message for an unknown field, also for a query parameter no schema declares.
 UNKNOWN_FIELD = "Unknown field."
-
-# flask-smorest's keywords of `Blueprint.arguments` that only document; any other is webargs'.
-_DOC_ONLY_KEYWORDS = frozenset({"content_type", "required", "description", "example", "examples"})
-
-Loader = Callable[[flask.Request], Any]
 
 
 class _Rejected(ValueError):
@@ -188,7 +181,11 @@ def _single_valued_names(schema: Schema) -> list[str]:
 
 
 class StrictJsonParser(FlaskParser):
-    """webargs' Flask parser with strict JSON, strict bodies and strict query strings."""
+    """webargs' Flask parser with strict JSON, strict bodies and strict query strings.
+
+    Through webargs' public hooks: `load_json` and `load_querystring` (the loaders of a
+    location) and `DEFAULT_UNKNOWN_BY_LOCATION`.
+    """
 
     # An unknown query parameter is a 422 naming it, as an unknown body field is: webargs
     # would drop it, and `?stauts=failed` would then list every task instead of the failed.
@@ -198,23 +195,28 @@ class StrictJsonParser(FlaskParser):
         "querystring": RAISE,
     }
 
-    def _raw_load_json(self, req: flask.Request) -> Any:
+    def load_json(self, req: flask.Request, schema: Schema) -> Any:
+        """The body parsed by `loads_strict`, or `missing` when there is none.
+
+        Aborts with 400 for malformed JSON (`{"json": [why]}`), 413 for a body over the
+        limit, 415 for a body that is not JSON or not UTF-8 by its `Content-Type`.
+        """
         data = read_body(req)
         if not is_json_request(req):
             if data:
                 _unsupported("the request body must be JSON (Content-Type: application/json)")
             return core.missing
+        if not data:
+            return core.missing  # as webargs: no body, so a 422 for missing fields
         charset = req.mimetype_params.get("charset")
-        if data and charset is not None and charset.strip().lower() not in _UTF8_CHARSETS:
+        if charset is not None and charset.strip().lower() not in _UTF8_CHARSETS:
             # We decode as UTF-8 whatever is declared: bytes another charset meant (latin-1
             # "Ã©" is UTF-8 "é") would be stored as something the client never sent.
             _unsupported(f"JSON must be UTF-8 encoded, not charset={charset[:40]}")
-        return loads_strict(data)
-
-    def _handle_invalid_json_error(
-        self, error: Any, req: flask.Request, *args: Any, **kwargs: Any
-    ) -> Any:
-        abort(400, message=f"malformed JSON body: {error.msg}", errors={"json": [error.msg]})
+        try:
+            return loads_strict(data)
+        except json.JSONDecodeError as error:
+            abort(400, message=f"malformed JSON body: {error.msg}", errors={"json": [error.msg]})
 
     def load_querystring(self, req: flask.Request, schema: Schema) -> Any:
         """Query arguments; 422 naming each single-valued parameter given more than once.
@@ -230,66 +232,6 @@ class StrictJsonParser(FlaskParser):
         if repeated:
             raise ValidationError(repeated)
         return super().load_querystring(req, schema)
-
-    def loader(self, schema: Schema, location: str) -> Loader | None:
-        """`self.parse(schema, req, location=location)` as a function of `req`, or None.
-
-        The same result, and the same 400, 413, 415 or 422 (`{location: messages}`) through
-        `load_json`, `pre_load` and `_on_validation_error`, but what `parse` works out on
-        every request (the schema, the loader, `unknown`, an empty list of validators) is
-        worked out here once. Headers are given to marshmallow as a dict of the schema's
-        own header names instead of a proxy of every header: the same values, since unknown
-        headers are excluded (None for a schema with a multi-valued field). None for other
-        locations: use `parse`.
-        """
-        unknown = (
-            self.unknown
-            if self.unknown != core._UNKNOWN_DEFAULT_PARAM
-            else self.DEFAULT_UNKNOWN_BY_LOCATION.get(location)
-        )
-        load_kwargs: dict[str, Any] = {"unknown": unknown} if unknown else {}
-        if location == "json":
-            return functools.partial(self._load_json_body, schema, load_kwargs)
-        if location == "headers" and unknown == EXCLUDE:
-            names = tuple(_single_valued_names(schema))
-            if names and len(names) == len(schema.fields):
-                return functools.partial(self._load_headers, schema, load_kwargs, names)
-        return None
-
-    def _load_json_body(
-        self, schema: Schema, load_kwargs: dict[str, Any], req: flask.Request
-    ) -> Any:
-        try:
-            data = self.load_json(req, schema)
-            if data is core.missing:
-                data = {}  # no body: as `parse`, optional fields still load
-            return schema.load(
-                self.pre_load(data, schema=schema, req=req, location="json"), **load_kwargs
-            )
-        except ValidationError as error:
-            self._on_validation_error(
-                error, req, schema, "json", error_status_code=None, error_headers=None
-            )
-
-    def _load_headers(
-        self,
-        schema: Schema,
-        load_kwargs: dict[str, Any],
-        names: tuple[str, ...],
-        req: flask.Request,
-    ) -> Any:
-        headers = req.headers
-        # werkzeug's `Headers` look names up case-insensitively and give the first of a
-        # repeated header, as webargs' proxy (`headers.get`) does.
-        data: Mapping[str, Any] = {name: headers[name] for name in names if name in headers}
-        try:
-            return schema.load(
-                self.pre_load(data, schema=schema, req=req, location="headers"), **load_kwargs
-            )
-        except ValidationError as error:
-            self._on_validation_error(
-                error, req, schema, "headers", error_status_code=None, error_headers=None
-            )
 
 
 def _unsupported(message: str) -> NoReturn:
@@ -343,84 +285,18 @@ class Blueprint(flask_smorest.Blueprint):  # type: ignore[misc]  # untyped libra
         if strict_query:
             self.before_request(_refuse_undeclared_query)
 
-    def arguments(self, schema: Any, *, location: str = "json", **kwargs: Any) -> Callable[[F], F]:
-        """flask-smorest's `arguments`, parsed leaner; a query location marks the view."""
-        decorate = self._arguments(schema, location=location, **kwargs)
+    def arguments(self, schema: Any, *, location: str = "json", **kwargs: Any) -> Any:
+        """flask-smorest's `arguments`; a query location marks the view as taking a query."""
+        decorate = super().arguments(schema, location=location, **kwargs)
         if location not in _QUERY_LOCATIONS:
             return decorate
 
         def marked(view: F) -> F:
             decorated = decorate(view)
             setattr(decorated, _TAKES_QUERY, True)
-            return decorated
+            return cast(F, decorated)
 
         return marked
-
-    def _arguments(self, schema: Any, *, location: str, **kwargs: Any) -> Callable[[F], F]:
-        """flask-smorest's `arguments`: the same documentation and arguments, parsed leaner.
-
-        flask-smorest wraps the view in a wrapper of its own and in webargs' `use_args`,
-        whose `parse` works out the schema, the location's loader and `unknown` again on
-        every request. For a schema instance in the body or the headers, with no keyword
-        for webargs, the view is wrapped once, around `StrictJsonParser.loader`'s function
-        (the same result and errors); the documentation is the one flask-smorest made.
-        """
-        document = super().arguments(schema, location=location, **kwargs)
-        parser: StrictJsonParser = self.ARGUMENTS_PARSER
-        load = (
-            parser.loader(schema, location)
-            if isinstance(schema, Schema) and _DOC_ONLY_KEYWORDS.issuperset(kwargs)
-            else None
-        )
-        if load is None:
-            return cast(Callable[[F], F], document)
-
-        def decorator(view: F) -> F:
-            documented = document(view)
-            if inspect.iscoroutinefunction(view):
-                return cast(F, documented)
-
-            @functools.wraps(view)
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                # As webargs (positional): after the arguments the view already has.
-                current = cast(Any, flask.request)._get_current_object()
-                return view(*args, load(current), **kwargs)
-
-            wrapper._apidoc = documented._apidoc  # type: ignore[attr-defined]
-            return cast(F, wrapper)
-
-        return decorator
-
-    def alt_response(self, status_code: Any, *args: Any, **kwargs: Any) -> Callable[[F], F]:
-        """flask-smorest's `alt_response`: the same documentation, but the view left unwrapped.
-
-        Its wrapper does nothing but call the view, once per documented response on every
-        request (a create has nine). The documentation is the `_apidoc` attribute that the
-        later decorators copy from the view (`functools.wraps`), so it is set on the view.
-        """
-        document = super().alt_response(status_code, *args, **kwargs)
-
-        def decorator(view: F) -> F:
-            view._apidoc = document(view)._apidoc  # type: ignore[attr-defined]
-            return view
-
-        return decorator
-
-    def doc(self, **kwargs: Any) -> Callable[[F], F]:
-        """flask-smorest's `doc`: the same documentation, the view function left unwrapped.
-
-        As for `alt_response`, its wrapper only calls the view. A `MethodView` class (the
-        documentation of each of its methods) takes flask-smorest's own path.
-        """
-        document = super().doc(**kwargs)
-
-        def decorator(view: F) -> F:
-            if isinstance(view, type):
-                return cast(F, document(view))
-            view._apidoc = document(view)._apidoc  # type: ignore[attr-defined]
-            return view
-
-        return decorator
 
     def error(self, status: int, description: str) -> Any:
         """Document an error `status` of an operation, with the error body's schema."""

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import flask
+
 from common.environment import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
@@ -29,6 +31,9 @@ from common.environment import (
 from db import tenant_stats
 from db.models import MAX_PENDING, MIN_PENDING
 from worker.tasktypes.base import HandlerConfig
+
+# Where `init_app` keeps the app's settings in its config; read only through `current`.
+_CONFIG_KEY = "FAIRQ_SETTINGS"
 
 # A new company's max_pending when POST /companies gives none: room for a large backlog, but
 # not for one tenant's runaway producer to fill the database.
@@ -140,3 +145,18 @@ def _env_default_max_pending(env: Mapping[str, str]) -> int | None:
     return env_int(
         env, "DEFAULT_MAX_PENDING", DEFAULT_MAX_PENDING, minimum=MIN_PENDING, maximum=MAX_PENDING
     )
+
+
+def init_app(app: flask.Flask, settings: ApiSettings) -> None:
+    """Make `settings` the app's: what `current()` returns while it handles a request."""
+    app.config[_CONFIG_KEY] = settings
+
+
+def current() -> ApiSettings:
+    """The settings of the app in the current app context (`create_app`'s).
+
+    Raises `RuntimeError` outside an app context, `KeyError` for an app built without
+    `init_app`.
+    """
+    settings: ApiSettings = flask.current_app.config[_CONFIG_KEY]
+    return settings

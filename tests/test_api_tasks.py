@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from api.tasks.schemas import TaskPageSchema, TaskSchema, dump_tasks
+from api.tasks.schemas import TaskPageSchema, TaskSchema
+from api.tasks.task_json import task_response
 from db import queue
 from db.models import TaskStatus
 from tests.factories import (
@@ -404,6 +405,7 @@ def test_run_at_in_the_past_means_now_and_does_not_jump_the_queue(
 
 # -- serialization -----------------------------------------------------------------------------
 
+
 # Aware instants in any zone (fixed offsets, DST zones with either fold), as psycopg reads them.
 _instants = st.datetimes(
     min_value=dt.datetime(1970, 1, 2),
@@ -441,11 +443,14 @@ _records = st.builds(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(records=st.lists(_records, max_size=5))
-def test_dump_tasks_gives_what_the_task_schema_gives_for_any_task(
-    records: list[queue.TaskRecord],
+def test_task_response_gives_what_the_task_schema_gives_for_any_task(
+    shared_app: Flask, records: list[queue.TaskRecord]
 ) -> None:
-    # The views answer with `dump_tasks`; the OpenAPI document describes `TaskSchema`.
-    assert dump_tasks(records) == TaskSchema().dump(records, many=True)
+    # Create and read answer with `task_response`; the OpenAPI document describes `TaskSchema`.
+    with shared_app.app_context():
+        for record in records:
+            assert task_response(record).get_json() == TaskSchema().dump(record)
+            assert task_response(record).get_data() == jsonify(TaskSchema().dump(record)).get_data()
 
 
 def test_create_read_and_list_answer_the_schemas_bytes(

@@ -366,7 +366,7 @@ def task_records(caplog: pytest.LogCaptureFixture, event: str) -> list[logging.L
 def test_released_tasks_log_one_line_each(
     fresh_engine: Engine, fresh_company_id: uuid.UUID, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ids = insert_tasks(fresh_engine, fresh_company_id, 4, task_type="noop", payload=PAYLOAD)
+    ids = insert_tasks(fresh_engine, fresh_company_id, 4, task_type="noop")
     checks = iter([False, False])  # before the claim and before the first task; then stop
 
     with caplog.at_level(logging.INFO, logger="fairq"):

@@ -18,6 +18,7 @@ import psycopg
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
+from marshmallow import INCLUDE, Schema
 from sqlalchemy import Engine, event, pool, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -30,8 +31,8 @@ from worker import processing, tasktypes
 from worker.errors import PermanentTaskError
 from worker.processing import completer, sweep
 from worker.settings import PassSettings
+from worker.tasktypes import sleep
 from worker.tasktypes.base import Handler, HandlerConfig, TaskContext, TaskType
-from worker.tasktypes.noop import NoopPayload
 
 Register = Callable[[str, Handler], None]
 
@@ -77,13 +78,20 @@ def sessions(fresh_engine: Engine) -> sessionmaker[Session]:
     return make_sessionmaker(fresh_engine)
 
 
+class AnyPayload(Schema):
+    """Any JSON object, loaded as it is: the payload of the tests' own task types."""
+
+    class Meta:
+        unknown = INCLUDE
+
+
 @pytest.fixture
 def register(monkeypatch: pytest.MonkeyPatch) -> Register:
-    """`register(name, handler)` adds a task type for this test only."""
+    """`register(name, handler)` adds a task type for this test only (`AnyPayload`)."""
 
     def add(name: str, handler: Handler) -> None:
         monkeypatch.setitem(
-            tasktypes.REGISTRY, name, TaskType(name, "test type", NoopPayload, handler)
+            tasktypes.REGISTRY, name, TaskType(name, "test type", AnyPayload, handler)
         )
 
     return add
@@ -199,6 +207,37 @@ def test_the_last_attempt_fails_for_good(
     [stored] = rows(sessions, [task_id])
     assert stored["status"] == "failed"
     assert stored["last_error"] == "gave up after 1 attempts: TimeoutError"
+
+
+def test_handlers_get_the_payload_their_schema_loads(
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[TaskContext[sleep.Sleep]] = []
+    spy = dataclasses.replace(sleep.TASK_TYPE, name="spy", handler=seen.append)
+    monkeypatch.setitem(tasktypes.REGISTRY, "spy", spy)
+    insert_tasks(sessions, fresh_company_id, 1, task_type="spy", payload={"seconds": 2})
+
+    run_pass(sessions)
+
+    [context] = seen
+    assert context.payload == sleep.Sleep(seconds=2.0)
+    assert isinstance(context.payload.seconds, float)
+
+
+def test_a_stored_payload_its_schema_refuses_fails_the_task_for_good_naming_the_field(
+    sessions: sessionmaker[Session], fresh_company_id: uuid.UUID
+) -> None:
+    # Stored past the API's validation (before the schema changed, or by hand).
+    [task_id] = insert_tasks(
+        sessions, fresh_company_id, 1, task_type="sleep", payload={"seconds": "a secret"}
+    )
+
+    assert run_pass(sessions) == processing.PassResult(claimed=1, failed=1)
+    [stored] = rows(sessions, [task_id])
+    assert stored["status"] == "failed"
+    assert stored["attempts"] == 1
+    assert "invalid seconds" in stored["last_error"]
+    assert "a secret" not in stored["last_error"]
 
 
 def test_permanent_errors_and_unknown_types_fail_without_retry(

@@ -6,7 +6,9 @@ import re
 from pathlib import Path
 
 import pytest
+from flask import Flask
 
+from api import settings as api_settings
 from api.settings import ApiSettings
 from common.environment import SettingsError
 from worker import cli
@@ -260,3 +262,18 @@ def test_children_listen_on_the_database_unless_it_is_a_transaction_pooler() -> 
     assert WorkerSettings.from_env({"DATABASE_URL": URL}).listen_url == URL
     assert WorkerSettings.from_env(pooled).listen_url is None
     assert WorkerSettings.from_env({**pooled, "LISTEN_DATABASE_URL": direct}).listen_url == direct
+
+
+def test_the_app_in_context_gives_its_own_settings() -> None:
+    first, second = Flask("first"), Flask("second")
+    one = ApiSettings(database_url=URL, admin_token=TOKEN)
+    other = ApiSettings(database_url=URL, notify_channel="elsewhere")
+    api_settings.init_app(first, one)
+    api_settings.init_app(second, other)
+
+    with first.app_context():
+        assert api_settings.current() is one
+    with second.app_context():
+        assert api_settings.current() is other
+    with pytest.raises(RuntimeError, match="application context"):
+        api_settings.current()

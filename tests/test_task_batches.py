@@ -14,7 +14,6 @@ import json
 import threading
 import time
 import uuid
-import zoneinfo
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
@@ -31,7 +30,7 @@ from werkzeug.test import TestResponse
 from api import errors as api_errors
 from api.settings import ApiSettings
 from api.tasks.routes import BATCH_KEY_HEADER_REFUSED
-from api.tasks.schemas import MAX_BATCH_TASKS, TaskSchema, dump_tasks
+from api.tasks.schemas import MAX_BATCH_TASKS
 from db import errors, queue
 from db.models import Task
 from tests import pg
@@ -40,7 +39,6 @@ from tests.conftest import ADMIN_TOKEN, serve_app
 from tests.factories import (
     CompanyWithKey,
     MakeCompany,
-    MakeTask,
     count_tasks,
     insert_company,
     json_of,
@@ -128,44 +126,6 @@ def test_each_item_is_the_task_json_of_a_read_plus_replayed(
     for item in items_of(response):
         read = client.get(f"/companies/{company.id}/tasks/{item['id']}", headers=company.headers)
         assert {**json_of(read), "replayed": False} == item
-
-
-def test_dump_tasks_gives_what_the_task_schema_gives(
-    db_session: Session, company: CompanyWithKey, make_task: MakeTask
-) -> None:
-    finished = make_task(
-        company.id,
-        status="completed",
-        idempotency_key="k",
-        last_error="boom",
-        started_at=text("now() - interval '1 minute'"),
-        finished_at=text("now()"),
-        result={"answer": [1, 2.5, "x", None]},
-        timeout_seconds=7,
-    )
-    fresh = make_task(company.id)
-    records = [queue.get_task(db_session, company.id, t.id) for t in (finished, fresh)]
-
-    assert dump_tasks(records) == TaskSchema().dump(records, many=True)
-
-
-def test_dump_tasks_keeps_each_instants_offset_in_a_repeated_hour() -> None:
-    # 01:30 happens twice in New York on 2026-11-01 (EDT, then EST): equal as datetimes of
-    # one tzinfo, two instants with two offsets.
-    first = dt.datetime(2026, 11, 1, 1, 30, tzinfo=zoneinfo.ZoneInfo("America/New_York"))
-    second = first.replace(fold=1)
-    records = [
-        queue.TaskRecord(
-            uuid.uuid4(), uuid.uuid4(), "noop", {}, "pending", 0, 5, 60, at, None, None, None,
-            at, at, None, None, None,
-        )
-        for at in (first, second)
-    ]  # fmt: skip
-
-    dumped = dump_tasks(records)
-
-    assert dumped == TaskSchema().dump(records, many=True)
-    assert [task["created_at"][-6:] for task in dumped] == ["-04:00", "-05:00"]
 
 
 def test_a_batch_is_claimed_in_request_order(

@@ -88,7 +88,9 @@ def test_a_tasks_own_timeout_comes_first() -> None:
     [
         pytest.param(sleep.TASK_TYPE, {"seconds": 1.5}, 32, id="sleep: its seconds + 30"),
         pytest.param(webhook.TASK_TYPE, {"url": "https://example.com"}, 60, id="webhook"),
-        pytest.param(send_email.TASK_TYPE, {"to": "a@example.com"}, 90, id="send_email"),
+        pytest.param(
+            send_email.TASK_TYPE, {"to": "a@example.com", "subject": "s"}, 90, id="send_email"
+        ),
         pytest.param(tasktypes.REGISTRY["noop"], {}, 60, id="others"),
         # A payload its type's default cannot read: the generic default, never a failure.
         pytest.param(sleep.TASK_TYPE, {}, DEFAULT_TIMEOUT_SECONDS, id="unreadable payload"),

@@ -7,10 +7,9 @@ import time
 import uuid
 from typing import Any
 
-from flask import current_app
 from flask.views import MethodView
 
-from api import auth, database
+from api import auth, database, settings
 from api.companies.schemas import (
     CompanyCreatedSchema,
     CompanyCreateSchema,
@@ -46,9 +45,7 @@ class Companies(MethodView):
             api_key_hash=auth.hash_api_key(key),
             weight=body["weight"],
             max_in_flight=body["max_in_flight"],
-            max_pending=body.get(
-                "max_pending", current_app.config["FAIRQ_SETTINGS"].default_max_pending
-            ),
+            max_pending=body.get("max_pending", settings.current().default_max_pending),
         )
         session.commit()
         return {
@@ -146,7 +143,7 @@ class CompanyResume(MethodView):
             company = companies.resume_company(
                 session,
                 company_id,
-                notify_channel=current_app.config["FAIRQ_SETTINGS"].notify_channel,
+                notify_channel=settings.current().notify_channel,
             )
             session.commit()
         return company

@@ -40,6 +40,7 @@ from marshmallow import EXCLUDE, Schema, ValidationError
 from sqlalchemy.orm import Session
 
 from api import auth, database, errors
+from api import settings as api_settings
 from api.dashboard import URL_PREFIX, csrf
 from api.dashboard.forms import (
     MAX_OFFSET,
@@ -90,8 +91,7 @@ _PUBLIC_ENDPOINTS = frozenset({"dashboard.login_form", "dashboard.login", "dashb
 
 
 def _settings() -> ApiSettings:
-    settings: ApiSettings = current_app.config["FAIRQ_SETTINGS"]
-    return settings
+    return api_settings.current()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ from flask_smorest import abort
 from sqlalchemy import Connection
 
 from api import auth, database
+from api import settings as api_settings
 from api.parser import Blueprint
-from api.settings import ApiSettings
 from api.stats.schemas import CompanyStatsSchema, QueueStatsSchema
 from db import tenant_stats
 
@@ -35,7 +35,7 @@ TIMEOUT_DESCRIPTION = "A statistics query ran past STATS_TIMEOUT_MS; try again l
 
 def _read(read: Callable[[Connection], T]) -> T:
     """Run `read` in a transaction of its own under the statistics statement timeout."""
-    settings: ApiSettings = current_app.config["FAIRQ_SETTINGS"]
+    settings = api_settings.current()
     with database.session_factory()() as session, session.begin():
         connection = session.connection()
         try:
@@ -55,8 +55,7 @@ def _read(read: Callable[[Connection], T]) -> T:
 
 
 def _limits() -> tenant_stats.Limits:
-    settings: ApiSettings = current_app.config["FAIRQ_SETTINGS"]
-    return settings.stats_limits
+    return api_settings.current().stats_limits
 
 
 @blp.route("/companies/<uuid:company_id>/stats")

@@ -10,7 +10,7 @@ from marshmallow import Schema, fields
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
-from api import database
+from api import database, settings
 from api.parser import Blueprint
 from worker import tasktypes
 
@@ -63,7 +63,7 @@ class Ready(MethodView):
     @blp.alt_response(503, schema=ReadySchema, description="The database is unreachable.")
     def get(self) -> Any:
         """Readiness: `SELECT 1` against the database within a short statement timeout."""
-        timeout_ms = current_app.config["FAIRQ_SETTINGS"].ready_timeout_ms
+        timeout_ms = settings.current().ready_timeout_ms
         try:
             # A fresh connection with a short connect timeout: a hung server is a 503 in
             # about two seconds, not after the views' five-second connect timeout.

@@ -10,11 +10,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-from flask import Response, current_app, jsonify, request, url_for
+from flask import Response, request, url_for
 from flask.views import MethodView
 from flask_smorest import abort
 
-from api import auth, database, errors
+from api import auth, database, errors, settings
 from api.parser import Blueprint
 from api.settings import ApiSettings
 from api.tasks.schemas import (
@@ -26,8 +26,8 @@ from api.tasks.schemas import (
     TaskListQuerySchema,
     TaskPageSchema,
     TaskSchema,
-    dump_tasks,
 )
+from api.tasks.task_json import task_response
 from db import queue
 
 blp = Blueprint(
@@ -60,16 +60,6 @@ def request_hash(body: dict[str, Any]) -> str:
         ensure_ascii=False,
     )
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def task_json(task: queue.TaskRecord) -> Response:
-    """The JSON response of one task: `TaskSchema`'s dump, serialized by `dump_tasks`.
-
-    flask-smorest passes a `Response` through as it is (status and headers still applied),
-    so the view's `@blp.response(..., TaskSchema)` only documents it. Flask's `jsonify`, as
-    on flask-smorest's own path, so the bytes are the same.
-    """
-    return jsonify(dump_tasks([task])[0])
 
 
 # Response headers of a create, as documented in the OpenAPI document.
@@ -134,13 +124,13 @@ class Tasks(MethodView):
             timeout_seconds=body["timeout_seconds"],
             idempotency_key=key,
             request_hash=request_hash(body) if key is not None else None,
-            notify_channel=current_app.config["FAIRQ_SETTINGS"].notify_channel,
+            notify_channel=settings.current().notify_channel,
         )
         database.release()
         location = url_for("tasks.TaskById", company_id=company_id, task_id=task.id)
         if created:
-            return task_json(task), 201, {"Location": location}
-        return task_json(task), 200, {"Location": location, "Idempotent-Replayed": "true"}
+            return task_response(task), 201, {"Location": location}
+        return task_response(task), 200, {"Location": location, "Idempotent-Replayed": "true"}
 
     @blp.doc(operationId="list_tasks")
     @auth.company_required()
@@ -149,18 +139,15 @@ class Tasks(MethodView):
     @blp.error(401, "Missing or invalid token.")
     @blp.error(403, "The admin token cannot act for a company.")
     @blp.error(404, "No such company, or not yours.")
-    def get(self, query: dict[str, Any], company_id: uuid.UUID) -> Response:
+    def get(self, query: dict[str, Any], company_id: uuid.UUID) -> dict[str, Any]:
         """List the company's tasks, newest first, with optional status and type filters."""
         items, has_more = queue.list_tasks(database.connection(), company_id, **query)
-        # `TaskPageSchema`'s dump, the items by `dump_tasks` (as `task_json`).
-        return jsonify(
-            {
-                "items": dump_tasks(items),
-                "limit": query["limit"],
-                "offset": query["offset"],
-                "has_more": has_more,
-            }
-        )
+        return {
+            "items": items,
+            "limit": query["limit"],
+            "offset": query["offset"],
+            "has_more": has_more,
+        }
 
 
 P = ParamSpec("P")
@@ -176,8 +163,7 @@ def batch_body_limit(view: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(view)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        settings: ApiSettings = current_app.config["FAIRQ_SETTINGS"]
-        request.max_content_length = settings.max_batch_body_bytes
+        request.max_content_length = settings.current().max_batch_body_bytes
         return view(*args, **kwargs)
 
     return wrapper
@@ -270,17 +256,15 @@ class TaskBatches(MethodView):
                 session,
                 company_id=company_id,
                 tasks=items,
-                notify_channel=current_app.config["FAIRQ_SETTINGS"].notify_channel,
+                notify_channel=settings.current().notify_channel,
             )
             session.commit()
-        # Serialized without marshmallow (`dump_tasks`): it took longer than the insert.
-        dumped = dump_tasks([task for task, _ in results])
-        for item, (_, created) in zip(dumped, results, strict=True):
-            item["replayed"] = not created
-        response = current_app.json.response({"items": dumped})
+        answer = {
+            "items": [{**task._asdict(), "replayed": not created} for task, created in results]
+        }
         if any(created for _, created in results):
-            return response, 201
-        return response, 200, {"Idempotent-Replayed": "true"}
+            return answer, 201
+        return answer, 200, {"Idempotent-Replayed": "true"}
 
 
 @blp.route("/tasks/<uuid:task_id>")
@@ -295,7 +279,7 @@ class TaskById(MethodView):
     @blp.error(404, "No such task, or not yours.")
     def get(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Response:
         """Read one task."""
-        return task_json(queue.get_task(database.connection(), company_id, task_id))
+        return task_response(queue.get_task(database.connection(), company_id, task_id))
 
 
 @blp.route("/tasks/<uuid:task_id>/cancel")

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import json
-from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from marshmallow import (
@@ -76,13 +74,6 @@ def _refuse(path: tuple[str | int, ...], message: str) -> NoReturn:
     raise ValidationError(messages)
 
 
-@functools.cache
-def _instance_of(schema: type[Schema]) -> Schema:
-    # One instance per payload schema, built once: a marshmallow schema's construction copies
-    # its fields and costs more than validating a small payload. Validation keeps no state.
-    return schema()
-
-
 class TaskCreateSchema(Schema):
     """Body of POST /companies/{companyId}/tasks."""
 
@@ -149,16 +140,20 @@ class TaskCreateSchema(Schema):
             raise ValidationError(exc.messages, field_name="payload") from None
         task_type = tasktypes.get(data["type"])
         assert task_type is not None  # checked by _known_type
-        errors = _instance_of(task_type.payload_schema).validate(payload)
-        if errors:
-            raise ValidationError(errors, field_name="payload")
+        try:
+            task_type.load_payload(payload)
+        except ValidationError as exc:
+            raise ValidationError(exc.messages, field_name="payload") from None
 
     @post_load
     def _default_timeout(self, data: dict[str, Any], **_kwargs: Any) -> dict[str, Any]:
         if data.get("timeout_seconds") is None:
             task_type = tasktypes.get(data["type"])
             assert task_type is not None  # validated
-            data["timeout_seconds"] = task_type.default_timeout(data["payload"])
+            # The payload as its handler will get it; stored as sent.
+            data["timeout_seconds"] = task_type.default_timeout(
+                task_type.load_payload(data["payload"])
+            )
         return data
 
 
@@ -336,71 +331,3 @@ class TaskBatchSchema(Schema):
     """The tasks of a batch, in request order."""
 
     items = fields.List(fields.Nested(BatchTaskSchema), dump_only=True)
-
-
-def _as_is(value: Any) -> Any:
-    return value
-
-
-def _isoformat(value: dt.datetime, memo: dict[tuple[dt.datetime, Any, int], str]) -> str:
-    # A batch's rows share their timestamps (one now()), and isoformat() with a ZoneInfo
-    # costs microseconds. Keyed with tzinfo and fold: datetimes of one tzinfo compare by
-    # wall time alone, so the two instants of a repeated hour would otherwise be one entry.
-    key = (value, value.tzinfo, value.fold)
-    text = memo.get(key)
-    if text is None:
-        text = memo[key] = value.isoformat()
-    return text
-
-
-# (JSON key, attribute, conversion of a non-None value or None, the field) per field; the
-# conversion `_isoformat` stands for a memoized `datetime.isoformat`.
-_DumpPlan = tuple[tuple[str, str, Callable[..., Any] | None, fields.Field[Any]], ...]
-
-
-@functools.cache
-def _dump_plan(schema: type[Schema]) -> _DumpPlan:
-    plan = []
-    for name, field in schema().dump_fields.items():
-        convert: Callable[..., Any] | None = None
-        if isinstance(field, fields.UUID):
-            convert = str
-        elif isinstance(field, fields.DateTime) and field.format in (None, "iso"):
-            convert = _isoformat
-        elif type(field) in (fields.String, fields.Integer, fields.Boolean, fields.Raw):
-            # As psycopg reads these columns: already str, int, bool or a JSON value.
-            convert = _as_is
-        elif type(field) is fields.Dict and field.key_field is None and field.value_field is None:
-            convert = _as_is
-        plan.append((field.data_key or name, field.attribute or name, convert, field))
-    return tuple(plan)
-
-
-def dump_tasks(records: Sequence[Any], schema: type[Schema] = TaskSchema) -> list[dict[str, Any]]:
-    """`schema().dump(records, many=True)`, several times faster: the hot path's answers.
-
-    A list of one JSON-ready dict per record: the answers of a create, a read, a list and a
-    batch. marshmallow's dump of a thousand tasks took about 55 ms, longer than validating
-    them, and of one task about 4% of a create's time in the API process (decision 0005).
-    This reads each field's attribute and converts UUIDs and datetimes itself; any other kind
-    of field is left to marshmallow. `tests/test_api_tasks.py` and `tests/test_task_batches.py`
-    check that both agree.
-    """
-    plan = _dump_plan(schema)
-    memo: dict[tuple[dt.datetime, Any, int], str] = {}
-    dumped: list[dict[str, Any]] = []
-    for record in records:
-        item: dict[str, Any] = {}
-        for key, attribute, convert, field in plan:
-            if convert is None:
-                item[key] = field.serialize(attribute, record)
-                continue
-            value = getattr(record, attribute)
-            if value is None:
-                item[key] = None
-            elif convert is _isoformat:
-                item[key] = _isoformat(value, memo)
-            else:
-                item[key] = convert(value)
-        dumped.append(item)
-    return dumped

@@ -26,8 +26,8 @@ from flask.views import MethodView
 from marshmallow import Schema, fields
 
 from api import auth, database, metrics
+from api import settings as api_settings
 from api.parser import Blueprint
-from api.settings import ApiSettings
 from worker import processing
 from worker.settings import PassSettings
 
@@ -63,7 +63,7 @@ class Process(MethodView):
     @blp.error(503, "ADMIN_TOKEN is not configured.")
     def post(self) -> processing.PassResult:
         """Claim, run and finalize one batch of tasks in this process (admin only)."""
-        settings: ApiSettings = current_app.config["FAIRQ_SETTINGS"]
+        settings = api_settings.current()
         return processing.run_pass(
             database.session_factory(),
             # One holder per request (its `workers` row): concurrent passes of this process

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import psycopg
+from marshmallow import ValidationError
 from sqlalchemy.orm import Session
 
 from common import logging as fairq_logging
@@ -641,22 +642,22 @@ class ProcessingPass:
     ) -> None:
         timeout = timeouts.timeout_of(task, task_type)
         started = time.monotonic()
-        context = TaskContext(
-            task_id=task.id,
-            company_id=task.company_id,
-            type=task.type,
-            payload=task.payload,
-            attempt=task.attempts,
-            max_attempts=task.max_attempts,
-            config=self.settings.handler_config,
-            timeout=timeout,
-            deadline=started + timeout,
-        )
         timer.arm(task, timeout, started)
         returned: JsonValue = None
         raised: BaseException | None = None
         try:
             try:
+                context = TaskContext(
+                    task_id=task.id,
+                    company_id=task.company_id,
+                    type=task.type,
+                    payload=_load_payload(task, task_type),
+                    attempt=task.attempts,
+                    max_attempts=task.max_attempts,
+                    config=self.settings.handler_config,
+                    timeout=timeout,
+                    deadline=started + timeout,
+                )
                 returned = task_type.handler(context)
             finally:
                 ending = timer.disarm()
@@ -741,3 +742,20 @@ class ProcessingPass:
 
     def _backoff(self, attempt: int) -> float:
         return backoff.delay(attempt, rng=self.rng)
+
+
+def _load_payload(task: queue.ClaimedTask, task_type: TaskType[Any]) -> Any:
+    """`task`'s payload as its handler receives it (`TaskType.load_payload`).
+
+    Raises `PermanentTaskError` naming the fields (never their values: a payload is not
+    logged) when the stored payload does not load, e.g. stored before its schema changed:
+    no retry changes a stored payload.
+    """
+    try:
+        return task_type.load_payload(task.payload)
+    except ValidationError as exc:
+        fields = exc.messages if isinstance(exc.messages, dict) else {}
+        invalid = ", ".join(sorted(map(str, fields))) or "the payload"
+        raise PermanentTaskError(
+            f"the stored payload does not load as a {task.type} payload: invalid {invalid}"
+        ) from None

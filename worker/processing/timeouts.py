@@ -59,21 +59,21 @@ STOP_GRACE_SECONDS = 5.0
 NUDGE_SIGNAL = signal.SIGURG
 
 
-def timeout_of(task: queue.ClaimedTask, task_type: TaskType) -> float:
+def timeout_of(task: queue.ClaimedTask, task_type: TaskType[Any]) -> float:
     """How long an attempt at `task` may run, in seconds.
 
     Its `timeout_seconds`, or for a task stored before timeouts existed (NULL) its type's
-    default for its payload; `DEFAULT_TIMEOUT_SECONDS` when that cannot be computed (a
-    payload stored before its schema changed): a default must never fail the task.
+    default for its loaded payload; `DEFAULT_TIMEOUT_SECONDS` when that cannot be computed
+    (a payload stored before its schema changed): a default must never fail the task.
     """
     if task.timeout_seconds is not None:
         return task.timeout_seconds
     return _default_timeout(task_type, task.payload)
 
 
-def _default_timeout(task_type: TaskType, payload: Mapping[str, Any]) -> float:
+def _default_timeout(task_type: TaskType[Any], payload: Mapping[str, Any]) -> float:
     try:
-        return float(task_type.default_timeout(payload))
+        return float(task_type.default_timeout(task_type.load_payload(payload)))
     except Exception:  # see timeout_of: whatever failed, the generic default applies
         return DEFAULT_TIMEOUT_SECONDS
 

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, Generic, TypeAlias, cast
 
 from marshmallow import Schema
+from typing_extensions import TypeVar
 
 from common.environment import env_bool, env_float, env_str
+
+# A task type's payload as its handler receives it: what its payload schema loads. Any
+# when not given (`TaskContext` alone), as for a handler written for any payload.
+P = TypeVar("P", default=Any)
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,7 @@ class HandlerConfig:
 
 
 @dataclass(frozen=True)
-class TaskContext:
+class TaskContext(Generic[P]):
     """One attempt at one task, as a handler sees it.
 
     `task_id` is the idempotency key for every side effect (design §1.1); `attempt` counts from 1.
@@ -58,13 +64,14 @@ class TaskContext:
     its type's default), and `deadline` when that is up, in `time.monotonic()` seconds; None
     when the handler is called without one (tests). A handler still running at its deadline
     is stopped (`worker.errors.HandlerTimeout`): one that waits on the network bounds each
-    wait by `within_timeout` instead, and fails cleanly.
+    wait by `within_timeout` instead, and fails cleanly. `payload` is the stored payload as
+    the type's schema loads it (`TaskType.load_payload`).
     """
 
     task_id: uuid.UUID
     company_id: uuid.UUID
     type: str
-    payload: Mapping[str, Any]
+    payload: P
     attempt: int
     max_attempts: int
     config: HandlerConfig = field(default_factory=HandlerConfig)
@@ -95,31 +102,49 @@ JsonValue: TypeAlias = (
     bool | int | float | str | Sequence["JsonValue"] | Mapping[str, "JsonValue"] | None
 )
 
-Handler = Callable[[TaskContext], JsonValue]
+Handler = Callable[[TaskContext[Any]], JsonValue]
 
 # A task's timeout when its type says nothing more specific, in seconds.
 DEFAULT_TIMEOUT_SECONDS = 60
 
 
-def _default_timeout(_payload: Mapping[str, Any]) -> int:
+def _default_timeout(_payload: object) -> int:
     return DEFAULT_TIMEOUT_SECONDS
 
 
+@functools.cache
+def _schema(schema: type[Schema]) -> Schema:
+    # One instance per payload schema, built once: a marshmallow schema's construction copies
+    # its fields and costs more than loading a small payload. Loading keeps no state.
+    return schema()
+
+
 @dataclass(frozen=True)
-class TaskType:
+class TaskType(Generic[P]):
     """A registered task type: `name` as used in the API, its payload schema and its handler.
+
+    `payload_schema` loads a stored payload (a JSON object) into the `P` the handler gets
+    as `context.payload`, or raises `marshmallow.ValidationError`; the API validates a
+    create's payload with it (and stores the JSON object as sent).
 
     `handler(context)` runs one attempt and returns its result (a `JsonValue`, None for
     none); it raises `PermanentTaskError` for a failure no retry can fix, any other
     exception for one that may pass later.
 
     `default_timeout`: the `timeout_seconds` of a task created without one, in whole
-    seconds, from its (validated) payload: how long the type's work may take plus a margin.
+    seconds, from its loaded payload: how long the type's work may take plus a margin.
     The worker applies it too to tasks stored before timeouts existed (NULL).
     """
 
     name: str
     description: str
     payload_schema: type[Schema]
-    handler: Handler
-    default_timeout: Callable[[Mapping[str, Any]], int] = _default_timeout
+    handler: Callable[[TaskContext[P]], JsonValue]
+    default_timeout: Callable[[P], int] = _default_timeout
+
+    def load_payload(self, stored: Mapping[str, Any]) -> P:
+        """`stored` (a payload as JSON) loaded by `payload_schema`: what the handler gets.
+
+        Raises `marshmallow.ValidationError` naming the fields that do not load.
+        """
+        return cast(P, _schema(self.payload_schema).load(stored))

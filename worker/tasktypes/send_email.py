@@ -8,10 +8,11 @@ import smtplib
 import socket
 import ssl
 import urllib.parse
+from dataclasses import dataclass
 from email.message import EmailMessage
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from marshmallow import RAISE, Schema, fields, validate
+from marshmallow import RAISE, Schema, fields, post_load, validate
 
 from common.fields import SINGLE_LINE
 from worker.errors import PermanentTaskError
@@ -34,8 +35,20 @@ _QUOTE_LIMIT = 200
 _RESULT_REPLY_LIMIT = 512
 
 
+@dataclass(frozen=True)
+class SendEmail:
+    """A send_email task's payload: the recipient `to`, `subject` and `body` (text)."""
+
+    to: str
+    subject: str
+    body: str
+
+
 class SendEmailPayload(Schema):
-    """`to`: one address; `subject`: 1..998 chars (RFC 5322 line limit); `body`: text."""
+    """`to`: one address; `subject`: 1..998 chars (RFC 5322 line limit); `body`: text.
+
+    Loads a `SendEmail`.
+    """
 
     class Meta:
         unknown = RAISE
@@ -44,12 +57,16 @@ class SendEmailPayload(Schema):
     subject = fields.String(required=True, validate=[validate.Length(min=1, max=998), SINGLE_LINE])
     body = fields.String(load_default="", validate=validate.Length(max=60_000))
 
+    @post_load
+    def _typed(self, data: dict[str, Any], **_kwargs: Any) -> SendEmail:
+        return SendEmail(**data)
+
 
 class SmtpRetryableError(Exception):
     """Sending failed in a way that may pass later (4xx reply, connection or config problem)."""
 
 
-def handle(task: TaskContext) -> dict[str, str]:
+def handle(task: TaskContext[SendEmail]) -> dict[str, str]:
     """Send `payload.subject`/`payload.body` to `payload.to` through `config.smtp_url`.
 
     `Message-ID` is `<{task id}@fairq>` and `X-Fairq-Task-Id` carries the task id, so a resend
@@ -82,14 +99,14 @@ def handle(task: TaskContext) -> dict[str, str]:
     }
 
 
-def _took_too_long(task: TaskContext, limit: float) -> str:
+def _took_too_long(task: TaskContext[SendEmail], limit: float) -> str:
     """Why a deadline cut the exchange short: SMTP_TIMEOUT's, or the task's own timeout."""
     if limit < task.config.smtp_timeout and task.timeout is not None:
         return f"sending stopped after {limit:.3g} s: the task's timeout ({task.timeout:g} s)"
     return f"sending took longer than {task.config.smtp_timeout:g} s"
 
 
-def _build_message(task: TaskContext) -> EmailMessage:
+def _build_message(task: TaskContext[SendEmail]) -> EmailMessage:
     """Build the message; a payload that cannot form a valid message is a `PermanentTaskError`."""
     message = EmailMessage()
     try:
@@ -97,9 +114,9 @@ def _build_message(task: TaskContext) -> EmailMessage:
         message["X-Fairq-Task-Id"] = str(task.task_id)
         message["Date"] = email.utils.format_datetime(datetime.datetime.now(datetime.UTC))
         message["From"] = task.config.smtp_from
-        message["To"] = str(task.payload["to"])
-        message["Subject"] = str(task.payload["subject"])
-        message.set_content(str(task.payload.get("body") or ""))
+        message["To"] = task.payload.to
+        message["Subject"] = task.payload.subject
+        message.set_content(task.payload.body)
     except ValueError as exc:  # the email package refuses CR/LF in headers and bad addresses
         raise PermanentTaskError(f"cannot build email: {exc}") from exc
     return message

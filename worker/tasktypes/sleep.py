@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from marshmallow import RAISE, Schema, validate
+from marshmallow import RAISE, Schema, post_load, validate
 
 from common.fields import JsonNumber
 from worker.tasktypes.base import TaskContext, TaskType
@@ -17,8 +17,15 @@ MAX_SLEEP_SECONDS = 300
 TIMEOUT_MARGIN_SECONDS = 30
 
 
+@dataclass(frozen=True)
+class Sleep:
+    """A sleep task's payload: `seconds` to sleep, 0..300."""
+
+    seconds: float
+
+
 class SleepPayload(Schema):
-    """`seconds`: 0..300, may be fractional."""
+    """`seconds`: 0..300, may be fractional; loads a `Sleep`."""
 
     class Meta:
         unknown = RAISE
@@ -29,23 +36,27 @@ class SleepPayload(Schema):
         metadata={"description": "How long to sleep, in seconds (0..300)."},
     )
 
+    @post_load
+    def _typed(self, data: dict[str, Any], **_kwargs: Any) -> Sleep:
+        return Sleep(**data)
 
-def handle(task: TaskContext) -> None:
+
+def handle(task: TaskContext[Sleep]) -> None:
     """Sleep for `payload.seconds`, or until the task's timeout if that comes first.
 
     Raises `TimeoutError` when the timeout cut the sleep short: the attempt is a retryable
     failure, as any that runs into its timeout.
     """
-    seconds = float(task.payload["seconds"])
+    seconds = task.payload.seconds
     allowed = task.within_timeout(seconds)
     time.sleep(allowed)
     if allowed < seconds:
         raise TimeoutError(f"slept {allowed:.3g} s of {seconds:g} s: the task's timeout came first")
 
 
-def default_timeout(payload: Mapping[str, Any]) -> int:
+def default_timeout(payload: Sleep) -> int:
     """Its sleep rounded up, plus `TIMEOUT_MARGIN_SECONDS`."""
-    return math.ceil(float(payload["seconds"])) + TIMEOUT_MARGIN_SECONDS
+    return math.ceil(payload.seconds) + TIMEOUT_MARGIN_SECONDS
 
 
 TASK_TYPE = TaskType(

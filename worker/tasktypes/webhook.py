@@ -8,12 +8,12 @@ import json
 import socket
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import requests
 import urllib3.exceptions
-from marshmallow import RAISE, Schema, fields, validate
+from marshmallow import RAISE, Schema, fields, post_load, validate
 from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
@@ -66,8 +66,20 @@ _RESERVED_HEADERS = frozenset(
 )
 
 
+@dataclass(frozen=True)
+class Webhook:
+    """A webhook task's payload: the `url` to POST `body` (any JSON value) to, with `headers`."""
+
+    url: str
+    body: Any = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
 class WebhookPayload(Schema):
-    """`url`: http(s) URL; `body`: any JSON sent as the request body; `headers`: str -> str."""
+    """`url`: http(s) URL; `body`: any JSON sent as the request body; `headers`: str -> str.
+
+    Loads a `Webhook`.
+    """
 
     class Meta:
         unknown = RAISE
@@ -86,6 +98,10 @@ class WebhookPayload(Schema):
         values=fields.String(validate=[validate.Length(max=8192), HTTP_FIELD_VALUE]),
         load_default=dict,
     )
+
+    @post_load
+    def _typed(self, data: dict[str, Any], **_kwargs: Any) -> Webhook:
+        return Webhook(**data)
 
 
 class WebhookRetryableError(Exception):
@@ -138,7 +154,7 @@ class _PinnedAdapter(HTTPAdapter):
         }
 
 
-def handle(task: TaskContext) -> dict[str, Any]:
+def handle(task: TaskContext[Webhook]) -> dict[str, Any]:
     """POST `payload.body` as JSON to `payload.url` with `Idempotency-Key: <task id>`.
 
     The body is always JSON: an absent or null `body` is sent as the four bytes `null` with
@@ -157,13 +173,13 @@ def handle(task: TaskContext) -> dict[str, Any]:
     `{"status": <code>, "body": <the body's first _RESULT_BODY_LIMIT bytes, as text>}`.
     """
     config = task.config
-    url = urllib.parse.urlsplit(str(task.payload["url"]))
+    url = urllib.parse.urlsplit(task.payload.url)
     target = _resolve(url, allow_private=config.webhook_allow_private)
     try:
-        data = json.dumps(task.payload.get("body"), allow_nan=False).encode("utf-8")
+        data = json.dumps(task.payload.body, allow_nan=False).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise PermanentTaskError(f"webhook body is not JSON-serialisable: {exc}") from exc
-    headers = _request_headers(task.payload.get("headers") or {})
+    headers = _request_headers(task.payload.headers)
     headers["Host"] = target.host_header
     headers["Content-Type"] = "application/json"
     headers["Idempotency-Key"] = str(task.task_id)
@@ -201,7 +217,7 @@ def handle(task: TaskContext) -> dict[str, Any]:
     raise WebhookRetryableError("webhook host has no address to try")
 
 
-def _took_too_long(task: TaskContext, limit: float) -> str:
+def _took_too_long(task: TaskContext[Webhook], limit: float) -> str:
     """Why a deadline cut the call short: WEBHOOK_TIMEOUT_SECONDS, or the task's timeout."""
     if limit < task.config.webhook_timeout and task.timeout is not None:
         return f"webhook call stopped after {limit:.3g} s: the task's timeout ({task.timeout:g} s)"
@@ -299,12 +315,12 @@ def _is_forbidden(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> boo
     )
 
 
-def _request_headers(user_headers: Mapping[str, Any]) -> dict[str, str]:
+def _request_headers(user_headers: Mapping[str, str]) -> dict[str, str]:
     """Copy the user's headers, dropping every name in `_RESERVED_HEADERS` (any case)."""
     return {
-        str(name): str(value)
+        name: value
         for name, value in user_headers.items()
-        if str(name).strip().lower() not in _RESERVED_HEADERS
+        if name.strip().lower() not in _RESERVED_HEADERS
     }
 
 
