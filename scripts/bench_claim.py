@@ -839,8 +839,8 @@ def stale_statistics(admin: Engine, modes: Sequence[Mode], args: argparse.Namesp
                 conn.execute(text(f"ALTER TABLE {table_name} SET (autovacuum_enabled = false)"))
             conn.execute(
                 text(
-                    "INSERT INTO companies (name, api_key_hash) "
-                    "SELECT 'stale ' || g, md5('stale ' || g) FROM generate_series(1, :n) g"
+                    "INSERT INTO companies (name) "
+                    "SELECT 'stale ' || g FROM generate_series(1, :n) g"
                 ),
                 {"n": companies},
             )

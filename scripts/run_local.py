@@ -273,7 +273,7 @@ def admin_token(run_dir: Path) -> str:
     token = os.environ.get("ADMIN_TOKEN", "").strip()
     if not token and path.exists():
         token = path.read_text().strip()
-    token = token or secrets.token_urlsafe(24)
+    token = token or secrets.token_urlsafe(32)
     # Kept in a file so the README's curl lines can read it from any shell.
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(token + "\n")

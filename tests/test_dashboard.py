@@ -1026,9 +1026,8 @@ def test_recent_failures_read_only_the_newest_tasks_of_the_company(
 
 # Companies `first..last` of the workload (ids and names derived from their number).
 _SEED_COMPANIES = """
-INSERT INTO companies (id, name, api_key_hash, created_at, weight, max_in_flight, paused)
+INSERT INTO companies (id, name, created_at, weight, max_in_flight, paused)
 SELECT md5('dash-company-' || i)::uuid, 'tenant-' || lpad(CAST(i AS text), 5, '0'),
-       encode(sha256(convert_to('dash-key-' || i, 'UTF8')), 'hex'),
        now() - interval '30 days' + i * interval '1 s',
        1 + i % 5, CASE WHEN i % 7 = 0 THEN 10 END, i % 100 = 0
 FROM generate_series(CAST(:first AS int), CAST(:last AS int)) AS i

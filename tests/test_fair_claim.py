@@ -97,8 +97,7 @@ def add_companies(session: Session, count: int, tasks_each: int, prefix: str) ->
     ids: list[uuid.UUID] = list(
         session.execute(
             text(
-                "INSERT INTO companies (name, api_key_hash) "
-                "SELECT :prefix || g, md5(:prefix || g || random()) "
+                "INSERT INTO companies (name) SELECT :prefix || g "
                 "FROM generate_series(1, :n) AS g RETURNING id"
             ),
             {"n": count, "prefix": prefix},
@@ -1074,7 +1073,7 @@ def _seed_at_0002(url: str) -> dict[str, uuid.UUID]:
 
             def company(name: str) -> uuid.UUID:
                 company_id: uuid.UUID = conn.execute(
-                    text("INSERT INTO companies (name, api_key_hash) VALUES (:n, :n) RETURNING id"),
+                    text("INSERT INTO companies (name) VALUES (:n) RETURNING id"),
                     {"n": name},
                 ).scalar_one()
                 return company_id
