@@ -507,7 +507,7 @@ def test_the_api_keys_migration_keeps_every_company_key_working_and_downgrades(
     config = pg.alembic_config(empty_db_url)
     command.upgrade(config, "0014-1")
     with connect(empty_db_url) as conn:
-        ids = dict(
+        ids: dict[str, uuid.UUID] = dict(
             conn.execute(
                 text(
                     "INSERT INTO companies (name, api_key_hash) VALUES ('a', 'ha'), ('b', 'hb') "
@@ -543,5 +543,7 @@ def test_the_api_keys_migration_keeps_every_company_key_working_and_downgrades(
 
     command.downgrade(config, "0014-1")
     with connect(empty_db_url) as conn:
-        kept = dict(conn.execute(text("SELECT id, api_key_hash FROM companies")).all())
+        kept: dict[uuid.UUID, str] = dict(
+            conn.execute(text("SELECT id, api_key_hash FROM companies")).all()
+        )
     assert kept == {ids["ha"]: "ha2", ids["hb"]: "hb"}
