@@ -67,6 +67,7 @@ _COUNTERS = (
     "tasks_lease_lost_total",
     "worker_child_restarts_total",
     "worker_child_timeouts_total",
+    "auth_failures_total",
     "flask_http_request_total",
     "flask_http_request_exceptions_total",
 )
@@ -87,7 +88,9 @@ ALLOWED_METRICS: Final = frozenset(
     | {f"{name}_{suffix}" for name in _HISTOGRAMS for suffix in ("bucket", "sum", "count")}
 )
 # Labels those metrics carry (bounded values only, design §7), plus Prometheus's target labels.
-ALLOWED_LABELS: Final = frozenset({"type", "status", "method", "url_rule", "le", "job", "instance"})
+ALLOWED_LABELS: Final = frozenset(
+    {"type", "status", "method", "url_rule", "le", "job", "instance", "surface", "outcome"}
+)
 
 _PROMQL_KEYWORDS = frozenset(
     {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset"}
@@ -673,6 +676,8 @@ def test_dashboard_shows_every_queue_worker_and_api_metric(dashboard: dict[str, 
 def api_metrics_text(client: FlaskClient) -> str:
     """The API's /metrics after one request to a templated route."""
     client.get("/companies/00000000-0000-0000-0000-000000000000/tasks")
+    # A failed authentication, so the labelled counter has a sample to expose.
+    client.get("/stats", headers={"Authorization": "Bearer wrong"})
     response = client.get("/metrics")
     assert response.status_code == 200
     return response.get_data(as_text=True)
@@ -691,6 +696,7 @@ def test_the_api_exposes_the_metric_names_the_alerts_and_dashboard_use(
         "flask_http_request_total",
         "flask_http_request_duration_seconds_bucket",
         "flask_http_request_duration_seconds_count",
+        "auth_failures_total",
     }
 
     assert api_names <= exposed, f"not exposed by the API: {api_names - exposed}"
