@@ -24,7 +24,9 @@ from tests.factories import CompanyWithKey, add_key, insert_company, json_of
 from tests.pg import libpq
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-KEY_FIELDS = {"id", "created_at", "last_used_at", "expires_at", "revoked_at", "active"}
+KEY_FIELDS = {
+    "id", "company_id", "created_at", "last_used_at", "expires_at", "revoked_at", "active",
+}  # fmt: skip
 
 
 def bearer(key: str) -> dict[str, str]:

@@ -175,7 +175,8 @@ class CompanyKeys(MethodView):
     @blp.error(404, "No such company, or not yours.")
     def get(self, company_id: uuid.UUID) -> Any:
         """List a company's API keys, never their secrets (its own key, or the admin token)."""
-        return {"keys": api_keys.list_keys(database.connection(), company_id)}
+        keys = api_keys.list_keys(database.connection(), company_id)
+        return {"company_id": company_id, "keys": keys}
 
     @blp.doc(operationId="issue_api_key")
     @auth.company_required(allow_admin=True)

@@ -195,6 +195,7 @@ class ApiKeySchema(Schema):
     """An API key as listed: never its secret nor its hash."""
 
     id = fields.UUID(dump_only=True)
+    company_id = fields.UUID(dump_only=True)
     created_at = fields.AwareDateTime(dump_only=True)
     last_used_at = fields.AwareDateTime(
         dump_only=True,
@@ -217,6 +218,7 @@ class ApiKeyListSchema(Schema):
     """A company's keys: every active one (at most the company's limit), then its newest
     revoked or expired ones."""
 
+    company_id = fields.UUID(dump_only=True)
     keys = fields.List(
         fields.Nested(ApiKeySchema),
         dump_only=True,
