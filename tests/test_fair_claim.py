@@ -1073,7 +1073,7 @@ def _seed_at_0002(url: str) -> dict[str, uuid.UUID]:
 
             def company(name: str) -> uuid.UUID:
                 company_id: uuid.UUID = conn.execute(
-                    text("INSERT INTO companies (name) VALUES (:n) RETURNING id"),
+                    text("INSERT INTO companies (name, api_key_hash) VALUES (:n, :n) RETURNING id"),
                     {"n": name},
                 ).scalar_one()
                 return company_id
