@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flask import Flask
 
-from api import auth, dashboard, database, errors, metrics
+from api import auth, dashboard, database, errors, metrics, throttle
 from api import logging as api_logging
 from api import settings as api_settings
 from api.settings import ApiSettings
@@ -51,6 +51,12 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
         pool_size=settings.database_pool_size,
     )
     auth.init_app(app)
+    throttle.init_app(app, settings.auth_failure_limit)
+    if settings.proxy_hops:
+        # The client's address (the throttle's key, the logs) from the proxies' header.
+        from werkzeug.middleware.proxy_fix import ProxyFix  # noqa: PLC0415
+
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=settings.proxy_hops)  # type: ignore[method-assign]
     api = errors.FairqApi(app)
     errors.register(app)
     for blp in (system_blp, companies_blp, tasks_blp, stats_blp, workers_blp):

@@ -2,10 +2,15 @@
 
 RFC 6750: a missing or invalid token is a 401 with `WWW-Authenticate: Bearer`. A company key
 used on another company's path is a 404, never a 403, so ids of other tenants do not leak.
+Repeated failures from one client address are answered 429 for a while (`api.throttle`).
 
-A key found in the database is remembered for `KEY_CACHE_SECONDS` (per process, by its
-hash), so a tenant's requests cost no lookup of their own; a deleted or replaced key keeps
-working at most that long. A key that matches nothing is never remembered.
+A company may hold several keys (`db.api_keys`), each valid until revoked or expired. A key
+found active in the database is remembered for `KEY_CACHE_SECONDS` (per process, by its
+hash), so a tenant's requests cost no lookup of their own, and never past its `expires_at`:
+an expired key is refused at once by every process, and a revoked one at once by the process
+that revoked it and within `KEY_CACHE_SECONDS` by the others. A key that matches nothing is
+never remembered. The secrets compared here (the admin token) are compared in constant time;
+a key is found by the SHA-256 of its 256 random bits, which reveals nothing of it.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ from typing import ParamSpec, TypeVar
 from flask import Flask, current_app, g, request
 from flask_smorest import abort
 
-from api import database, errors, settings
-from db import companies
+from api import database, errors, settings, throttle
+from db import api_keys
 
 API_KEY_PREFIX = "fq_"
-# How long a key found in the database is trusted without asking again.
+# How long a key found in the database is trusted without asking again: the most a key
+# revoked by another API process keeps working in this one.
 KEY_CACHE_SECONDS = 5.0
 # Keys remembered per process; past that the cache starts over (an attacker's random keys
 # are never added: only keys that exist are).
@@ -52,7 +58,7 @@ class Principal:
 
 
 class KeyCache:
-    """Key hash -> company id, each entry trusted for `ttl` seconds of `clock`.
+    """Key hash -> company id, each entry trusted for `ttl` seconds of `clock` at most.
 
     Thread-safe without a lock: single dict operations are atomic, and a lost race only
     costs one more lookup.
@@ -79,11 +85,13 @@ class KeyCache:
             return None
         return entry[0]
 
-    def put(self, key_hash: str, company_id: uuid.UUID) -> None:
-        """Remember that `key_hash` belongs to `company_id`, for `ttl` seconds from now."""
+    def put(self, key_hash: str, company_id: uuid.UUID, expires_in: float | None = None) -> None:
+        """Remember that `key_hash` belongs to `company_id`, for `ttl` seconds from now, or
+        `expires_in` seconds if sooner (the key's expiry)."""
         if len(self._entries) >= self.size:
             self._entries.clear()
-        self._entries[key_hash] = (company_id, self.clock() + self.ttl)
+        trusted = self.ttl if expires_in is None else min(self.ttl, expires_in)
+        self._entries[key_hash] = (company_id, self.clock() + trusted)
 
     def clear(self) -> None:
         """Forget every key."""
@@ -133,25 +141,40 @@ def _admin_token() -> str | None:
     return settings.current().admin_token
 
 
+def _company_of_key(token: str) -> uuid.UUID | None:
+    """The company of the active key `token`, from the cache or the database, or None."""
+    key_hash = hash_api_key(token)
+    cache = key_cache(current_app)
+    company_id = cache.get(key_hash)
+    if company_id is None:
+        found = api_keys.find_active_key(database.connection(), key_hash)
+        if found is None:
+            return None
+        company_id = found.company_id
+        cache.put(key_hash, company_id, found.expires_in_seconds)
+    return company_id
+
+
 def authenticate() -> Principal:
-    """Identify the caller. Aborts with 401 when the token is missing or matches nothing.
+    """Identify the caller. Aborts with 401 when the token is missing or matches nothing,
+    429 with `Retry-After` while the client's address is throttled (`api.throttle`; an
+    active company key still passes).
 
     The principal is also kept in `g.fairq_principal` for the request's log line.
     """
     token = _bearer_token()
     admin = _admin_token()
-    if admin is not None and hmac.compare_digest(token.encode(), admin.encode()):
+    wait = throttle.retry_after()
+    if wait is None and admin is not None and hmac.compare_digest(token.encode(), admin.encode()):
         principal = Principal(company_id=None)
     else:
-        key_hash = hash_api_key(token)
-        cache = key_cache(current_app)
-        company_id = cache.get(key_hash)
+        company_id = _company_of_key(token)
         if company_id is None:
-            company_id = companies.find_company_id_by_key_hash(database.connection(), key_hash)
-            if company_id is None:
-                _unauthorized("invalid bearer token")
-                raise AssertionError("unreachable")  # abort raises; this satisfies mypy
-            cache.put(key_hash, company_id)
+            if wait is not None:
+                throttle.refuse("api", wait)
+            throttle.record_failure("api")
+            _unauthorized("invalid bearer token")
+            raise AssertionError("unreachable")  # abort raises; this satisfies mypy
         principal = Principal(company_id=company_id)
     g.fairq_principal = principal
     return principal

@@ -15,7 +15,7 @@ from typing import Any
 
 import psycopg
 from flask import Flask, Request
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_flask_exporter import PrometheusMetrics
@@ -33,6 +33,13 @@ log = logging.getLogger("fairq.api.metrics")
 UNMATCHED_RULE = "<unmatched>"
 
 _TASK_METRICS = "fairq.task_metrics"
+_AUTH_FAILURES = "fairq.auth_failures"
+
+AUTH_FAILURES_HELP = (
+    "Failed authentications: surface `api` (a bearer token that is neither the admin token nor "
+    "an active API key) or `dashboard` (a wrong login); outcome `invalid` (answered 401) or "
+    "`throttled` (answered 429: too many failures from the client's address, api.throttle)."
+)
 
 
 def url_rule(request: Request) -> str:
@@ -249,9 +256,18 @@ def init_app(app: Flask, engine: Engine, *, timeout_ms: int, metrics_dir: Path |
     # The worker's task counters, for the passes POST /workers/process runs in this process:
     # same names and labels, so dashboards and alerts sum the API's tasks with the workers'.
     app.extensions[_TASK_METRICS] = TaskMetrics(tasktypes.names(), registry=registry)
+    app.extensions[_AUTH_FAILURES] = Counter(
+        "auth_failures_total", AUTH_FAILURES_HELP, ["surface", "outcome"], registry=registry
+    )
 
 
 def task_metrics(app: Flask) -> TaskMetrics:
     """The task counters of `app`'s process, the observer of its processing passes."""
     metrics: TaskMetrics = app.extensions[_TASK_METRICS]
     return metrics
+
+
+def auth_failures(app: Flask) -> Counter:
+    """`auth_failures_total{surface,outcome}` of `app`'s process (api.throttle counts)."""
+    counter: Counter = app.extensions[_AUTH_FAILURES]
+    return counter

@@ -7,6 +7,7 @@ stale window, the notify channel and the handlers' settings.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,19 @@ MAX_STATS_TIMEOUT_MS = 30_000
 # most a week, so a stolen session cookie does not outlive a token rotation by much.
 DEFAULT_DASHBOARD_SESSION_HOURS = 8
 MAX_DASHBOARD_SESSION_HOURS = 168
+# The admin token must be at least this long, and its estimate (`admin_token_bits`) at least
+# this many bits: `python -c 'import secrets; print(secrets.token_urlsafe(32))'` gives 43
+# characters and 256 random bits.
+MIN_ADMIN_TOKEN_LENGTH = 32
+MIN_ADMIN_TOKEN_BITS = 128
+# Tokens published in fairq's files and their history: whoever read them knows them.
+PUBLISHED_ADMIN_TOKENS = frozenset({"change-me-please-0123456789"})
+MAKE_ADMIN_TOKEN = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"  # noqa: S105  (a command, not a token)
+# Failed authentications from one client address before it is refused for the rest of a
+# minute (api.throttle): an operator's typos pass, a guesser gets 10 tries a minute.
+DEFAULT_AUTH_FAILURE_LIMIT = 10
+# Reverse proxies in front of the API that append to X-Forwarded-For, at most.
+MAX_PROXY_HOPS = 5
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,11 @@ class ApiSettings:
     `stats_timeout_ms`: `STATS_TIMEOUT_MS`, the statement timeout of each statistics query
     (past it the endpoint answers 503); `stats_limits`: where their exact counts stop
     (`db.tenant_stats.Limits`; not from the environment);
+    `proxy_hops`: `PROXY_HOPS`, how many reverse proxies in front of the API append the
+    client's address to `X-Forwarded-For` (0: none, the peer's address is the client's; it
+    is what failed authentications are counted against: `api.throttle`);
+    `auth_failure_limit`: failed authentications from one client address within a window
+    before it is refused (`api.throttle`; not from the environment);
     `handler_config`: what the handlers of `POST /workers/process` use, read from the same
     variables as the worker's (`SMTP_URL`, `WEBHOOK_ALLOW_PRIVATE`, ...).
     """
@@ -94,6 +113,8 @@ class ApiSettings:
     dashboard_session_hours: int = DEFAULT_DASHBOARD_SESSION_HOURS
     stats_timeout_ms: int = DEFAULT_STATS_TIMEOUT_MS
     stats_limits: tenant_stats.Limits = field(default_factory=tenant_stats.Limits)
+    proxy_hops: int = 0
+    auth_failure_limit: int = DEFAULT_AUTH_FAILURE_LIMIT
     handler_config: HandlerConfig = field(default_factory=HandlerConfig)
 
     @classmethod
@@ -105,8 +126,8 @@ class ApiSettings:
         env = os.environ if environ is None else environ
         # Stripped like every other variable: the bearer token a client sends is stripped too.
         token = env.get("ADMIN_TOKEN", "").strip() or None
-        if token is not None and len(token) < 16:
-            raise SettingsError("ADMIN_TOKEN must be at least 16 characters long")
+        if token is not None:
+            check_admin_token(token)
         log_level, log_format = env_logging(env)
         metrics_dir = env.get("PROMETHEUS_MULTIPROC_DIR", "").strip()
         return cls(
@@ -136,6 +157,47 @@ class ApiSettings:
                 maximum=MAX_STATS_TIMEOUT_MS,
             ),
             handler_config=HandlerConfig.from_env(env),
+            proxy_hops=env_int(env, "PROXY_HOPS", 0, minimum=0, maximum=MAX_PROXY_HOPS),
+        )
+
+
+def admin_token_bits(token: str) -> float:
+    """A rough upper estimate of a token's entropy in bits: log2(distinct characters) for each
+    character that does not start a repeat of an earlier run of three (`abcabcabc` counts 3).
+
+    It sees that a token is short or repetitive, not that it is made of words: a token from
+    `secrets` is what the checks are for (`check_admin_token`). 43 characters of
+    `token_urlsafe(32)` score about 200; 32 of `token_urlsafe(24)` fall below 128 about once
+    in 500,000.
+    """
+    distinct = len(set(token))
+    if distinct < 2:
+        return 0.0
+    seen: set[str] = set()
+    new = 0
+    for start in range(len(token)):
+        run = token[start : start + 3]
+        new += run not in seen
+        seen.add(run)
+    return new * math.log2(distinct)
+
+
+def check_admin_token(token: str) -> None:
+    """Refuse an admin token that can be guessed: a published placeholder, shorter than
+    `MIN_ADMIN_TOKEN_LENGTH`, or under `MIN_ADMIN_TOKEN_BITS` by `admin_token_bits`.
+
+    Raises `SettingsError` naming `ADMIN_TOKEN`, saying how to make a good one.
+    """
+    how = f"make one with: {MAKE_ADMIN_TOKEN}"
+    if token in PUBLISHED_ADMIN_TOKENS or "change-me" in token.lower():
+        raise SettingsError(f"ADMIN_TOKEN is the published placeholder, known to anyone: {how}")
+    if len(token) < MIN_ADMIN_TOKEN_LENGTH:
+        raise SettingsError(
+            f"ADMIN_TOKEN must be at least {MIN_ADMIN_TOKEN_LENGTH} characters long: {how}"
+        )
+    if admin_token_bits(token) < MIN_ADMIN_TOKEN_BITS:
+        raise SettingsError(
+            f"ADMIN_TOKEN is too repetitive to be random (too few distinct characters): {how}"
         )
 
 

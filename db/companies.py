@@ -10,7 +10,6 @@ from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.orm import Session
 
 from db import errors, queue
-from db.engine import Executor, driver_connection, driver_errors
 from db.models import Company
 
 
@@ -27,12 +26,11 @@ def create_company(
     session: Session,
     *,
     name: str,
-    api_key_hash: str,
     weight: int = 1,
     max_in_flight: int | None = None,
     max_pending: int | None = None,
 ) -> Company:
-    """Insert a company; `api_key_hash` is the SHA-256 hex digest of its key.
+    """Insert a company (its API keys: `db.api_keys.issue_key`, in the same transaction).
 
     `weight`, `max_in_flight` and `max_pending` (None: unlimited) default to the columns'
     defaults.
@@ -41,7 +39,6 @@ def create_company(
         insert(Company)
         .values(
             name=name,
-            api_key_hash=api_key_hash,
             weight=weight,
             max_in_flight=max_in_flight,
             max_pending=max_pending,
@@ -185,20 +182,3 @@ def _require_transaction(session: Session, what: str) -> None:
         # Each statement would commit on its own: the locks would end before the commit
         # they must cover.
         raise RuntimeError(f"{what} needs a transaction; the connection is in autocommit")
-
-
-_COMPANY_ID_BY_KEY_HASH = "SELECT id FROM companies WHERE api_key_hash = %(hash)s"
-
-
-def find_company_id_by_key_hash(where: Executor, api_key_hash: str) -> uuid.UUID | None:
-    """The id of the company whose API key hashes to `api_key_hash`, or None.
-
-    Authentication's lookup: one indexed read (the unique constraint on `api_key_hash`),
-    sent to psycopg directly. `where`: a session, or a psycopg connection (the API's).
-    """
-    driver = driver_connection(where, transaction=False)
-    with driver_errors("find_company_id_by_key_hash"):
-        row = driver.execute(_COMPANY_ID_BY_KEY_HASH, {"hash": api_key_hash}).fetchone()
-    found = None if row is None else row[0]
-    assert found is None or isinstance(found, uuid.UUID)  # psycopg loads uuid as UUID
-    return found

@@ -83,7 +83,7 @@ class Base(DeclarativeBase):
 
 
 class Company(Base):
-    """A tenant. Its API key is stored only as the SHA-256 hex digest."""
+    """A tenant. Its API keys are in `api_keys`."""
 
     __tablename__ = "companies"
 
@@ -91,7 +91,6 @@ class Company(Base):
         UUID(as_uuid=True), primary_key=True, server_default=text("gen_random_uuid()")
     )
     name: Mapped[str] = mapped_column(Text, nullable=False)
-    api_key_hash: Mapped[str] = mapped_column(Text, nullable=False)
     created_at: Mapped[dt.datetime] = mapped_column(
         Timestamp, nullable=False, server_default=text("now()")
     )
@@ -106,7 +105,6 @@ class Company(Base):
     paused: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
 
     __table_args__ = (
-        UniqueConstraint("api_key_hash"),
         CheckConstraint(f"weight BETWEEN {MIN_WEIGHT} AND {MAX_WEIGHT}", name="weight_range"),
         CheckConstraint(
             f"max_in_flight BETWEEN {MIN_IN_FLIGHT} AND {MAX_IN_FLIGHT}",
@@ -115,6 +113,38 @@ class Company(Base):
         CheckConstraint(
             f"max_pending BETWEEN {MIN_PENDING} AND {MAX_PENDING}", name="max_pending_range"
         ),
+    )
+
+
+class ApiKey(Base):
+    """One API key of a company (migration 0014); the key itself is never stored.
+
+    It authenticates while `revoked_at` is NULL and `expires_at` is NULL or later than now
+    (`db.api_keys.find_active_key`). `key_hash`: SHA-256 hex of the key (`api.auth.hash_api_key`:
+    the key is 256 random bits, so a fast hash is enough). `last_used_at`: set by
+    authentication at most once a minute per key (`db.api_keys.TOUCH_EVERY_SECONDS`).
+    """
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), primary_key=True, server_default=text("gen_random_uuid()")
+    )
+    company_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("companies.id", ondelete="CASCADE"), nullable=False
+    )
+    key_hash: Mapped[str] = mapped_column(Text, nullable=False)
+    created_at: Mapped[dt.datetime] = mapped_column(
+        Timestamp, nullable=False, server_default=text("now()")
+    )
+    last_used_at: Mapped[dt.datetime | None] = mapped_column(Timestamp)
+    expires_at: Mapped[dt.datetime | None] = mapped_column(Timestamp)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(Timestamp)
+
+    __table_args__ = (
+        UniqueConstraint("key_hash"),
+        # A company's keys, for their listing and the count of its active keys.
+        Index("ix_api_keys_company_id", "company_id"),
     )
 
 

@@ -429,7 +429,7 @@ def run(config: ChaosConfig, *, workdir: Path, log: Callable[[str], None] = prin
     """
     report = ChaosReport(config, workdir=str(workdir))
     rng = random.Random(config.seed)
-    token = secrets.token_urlsafe(24)
+    token = secrets.token_urlsafe(32)
     with ExitStack() as stack_:
         url = stack_.enter_context(stack.database(config.database_url, "chaos"))
         receiver = stack_.enter_context(

@@ -374,7 +374,9 @@ def empty_tables(url: str) -> None:
     engine = script_engine(url)
     try:
         with engine.begin() as conn:
-            conn.execute(text("TRUNCATE tasks, company_queues, company_backlogs, companies"))
+            conn.execute(
+                text("TRUNCATE tasks, company_queues, company_backlogs, api_keys, companies")
+            )
             conn.execute(
                 text(
                     "SELECT setval('fairq_claim_cursor_position', 0), "

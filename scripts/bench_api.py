@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     env = {"LOG_LEVEL": os.environ.get("LOG_LEVEL", "INFO")}
-    token = secrets.token_urlsafe(24)
+    token = secrets.token_urlsafe(32)
     shape = (os.environ.get("GUNICORN_WORKERS", "2"), os.environ.get("GUNICORN_THREADS", "4"))
     with ExitStack() as running, stack.sigterm_as_interrupt():
         workdir = Path(running.enter_context(tempfile.TemporaryDirectory(prefix="bench-api-")))

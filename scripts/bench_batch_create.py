@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(variants) - set(VARIANTS):
         parser.error(f"unknown variants {sorted(unknown)}")
     env = {"LOG_LEVEL": os.environ.get("LOG_LEVEL", "INFO")}
-    token = secrets.token_urlsafe(24)
+    token = secrets.token_urlsafe(32)
     shape = (os.environ.get("GUNICORN_WORKERS", "2"), os.environ.get("GUNICORN_THREADS", "4"))
     clients = {
         "single": args.clients,

@@ -977,7 +977,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run every side and phase, then print the table."""
     args = parse_args(argv)
-    token = secrets.token_urlsafe(24)
+    token = secrets.token_urlsafe(32)
     results: dict[str, list[SideResult]] = {}
     with (
         stack.sigterm_as_interrupt(),

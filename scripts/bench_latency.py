@@ -126,7 +126,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the results."""
     args = parse_args(argv)
-    token = secrets.token_urlsafe(24)
+    token = secrets.token_urlsafe(32)
     count = int(args.seconds / args.interval)
     with (
         common.bench_database(args.database_url, "latency", fast_commit=args.fast_commit) as url,

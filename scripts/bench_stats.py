@@ -253,7 +253,7 @@ def measure_endpoints(
     url: str, typical: uuid.UUID, typical_key: str, whale: uuid.UUID, rounds: int
 ) -> dict[str, list[float]]:
     """Seconds per request of each endpoint over `rounds` rounds, against real gunicorn."""
-    admin = secrets.token_urlsafe(24)
+    admin = secrets.token_urlsafe(32)
     own = {"Authorization": f"Bearer {typical_key}"}
     whale_key = {"Authorization": "Bearer perf-seed-key-1"}
     variants = {

@@ -137,8 +137,7 @@ def seed_companies(engine: Engine, count: int) -> list[str]:
             str(company_id)
             for company_id in conn.execute(
                 text(
-                    "INSERT INTO companies (name, api_key_hash) "
-                    "SELECT 'bench-' || g, md5('bench' || g || random()) "
+                    "INSERT INTO companies (name) SELECT 'bench-' || g "
                     "FROM generate_series(1, :n) g RETURNING id"
                 ),
                 {"n": count},

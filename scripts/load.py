@@ -415,7 +415,7 @@ def _clients(
 def main(argv: list[str] | None = None) -> int:
     """Run both phases and print the report."""
     args = parse_args(argv)
-    token = secrets.token_urlsafe(24)
+    token = secrets.token_urlsafe(32)
     workers = os.environ.get("GUNICORN_WORKERS", "2")
     threads = os.environ.get("GUNICORN_THREADS", "4")
     with (

@@ -71,12 +71,16 @@ CATCH_UP_WORKER = "perf-seed:catch-up"
 REUSE_MARGIN = "1 hour"
 
 _SEED_COMPANIES = """
-INSERT INTO companies (id, name, api_key_hash, created_at)
-SELECT md5('fairq-company-' || i)::uuid,
-       'company-' || i,
-       encode(sha256(convert_to('perf-seed-key-' || i, 'UTF8')), 'hex'),
-       now() - interval '30 days'
-FROM generate_series(1, :companies) AS i
+WITH seeded AS (
+    INSERT INTO companies (id, name, created_at)
+    SELECT md5('fairq-company-' || i)::uuid, 'company-' || i, now() - interval '30 days'
+    FROM generate_series(1, :companies) AS i
+    RETURNING id, name, created_at
+)
+INSERT INTO api_keys (company_id, key_hash, created_at)
+SELECT id, encode(sha256(convert_to('perf-seed-key-' || substr(name, 9), 'UTF8')), 'hex'),
+       created_at
+FROM seeded
 """
 
 # One INSERT, so the statement trigger sees every new row at once (it takes the wake-up

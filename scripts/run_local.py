@@ -140,6 +140,7 @@ class Config:
 
 def read_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config:
     """The settings of this run; `StartupError` (status 2) naming the variable if invalid."""
+    from api.settings import check_admin_token
     from common.environment import SettingsError, env_int, env_str
     from worker.settings import WorkerSettings
 
@@ -166,6 +167,9 @@ def read_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config:
             ),
             worker=not args.no_worker,
         )
+        # The API would refuse it after the database started: say so now.
+        if env.get("ADMIN_TOKEN", "").strip():
+            check_admin_token(env["ADMIN_TOKEN"].strip())
     except SettingsError as exc:
         raise StartupError(f"invalid configuration: {exc}", INVALID_SETTING_EXIT) from None
     named = [("PORT", config.api_port)]
@@ -268,12 +272,20 @@ def check_embedded_not_running(embedded: EmbeddedPostgres) -> None:
 
 
 def admin_token(run_dir: Path) -> str:
-    """`ADMIN_TOKEN`, or a token generated once and kept in `.run/admin_token`."""
+    """`ADMIN_TOKEN`, or a token generated once and kept in `.run/admin_token` (made again
+    when the one kept there would be refused: `api.settings.check_admin_token`)."""
+    from api.settings import check_admin_token
+    from common.environment import SettingsError
+
     path = run_dir / "admin_token"
     token = os.environ.get("ADMIN_TOKEN", "").strip()
     if not token and path.exists():
         token = path.read_text().strip()
-    token = token or secrets.token_urlsafe(24)
+        try:
+            check_admin_token(token)
+        except SettingsError:
+            token = ""
+    token = token or secrets.token_urlsafe(32)
     # Kept in a file so the README's curl lines can read it from any shell.
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(token + "\n")

@@ -34,7 +34,9 @@ from tests.supervisor_harness import StartSupervisor
 
 pytest_plugins = ["tests.factories"]
 
-ADMIN_TOKEN = "test-admin-token-0123456789"
+# Made as README says (`secrets.token_urlsafe(32)`): servers started from the environment
+# refuse a guessable one.
+ADMIN_TOKEN = "kyhS0w8VuBNakPQtPLyr-6EcgNQ9mgVmcdSqIu8xv_0"
 
 
 @pytest.fixture(scope="session")
@@ -86,9 +88,21 @@ def db_session(session_factory: sessionmaker[Session]) -> Iterator[Session]:
         yield session
 
 
+# An `auth_failure_limit` no test reaches.
+UNTHROTTLED = 10**9
+
+
 def make_test_app(database_url: str, **overrides: object) -> Flask:
-    """An app on `database_url` with the test admin token, settings overridable."""
-    values: dict[str, object] = {"admin_token": ADMIN_TOKEN, **overrides}
+    """An app on `database_url` with the test admin token, settings overridable.
+
+    Failed authentications are not throttled (tests of 401s send many from one address),
+    unless `auth_failure_limit` is given (tests/test_auth_throttle.py).
+    """
+    values: dict[str, object] = {
+        "admin_token": ADMIN_TOKEN,
+        "auth_failure_limit": UNTHROTTLED,
+        **overrides,
+    }
     settings = ApiSettings(database_url=database_url, **values)  # type: ignore[arg-type]
     app = create_app(settings)
     app.config["TESTING"] = True

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from werkzeug.test import TestResponse
 
 from api import auth
-from db import companies, workers
+from db import api_keys, companies, workers
 from db.engine import driver_connection
 from db.models import Task
 
@@ -59,11 +59,19 @@ def session_of(db: Target) -> Iterator[Session]:
         yield session
 
 
+def add_key(session: Session, company_id: uuid.UUID, key: str) -> None:
+    """Store `key` as an API key of the company (not committed)."""
+    api_keys.issue_key(
+        driver_connection(session, transaction=False), company_id, auth.hash_api_key(key)
+    )
+
+
 def insert_company(db: Target, name: str = "acme") -> CompanyWithKey:
     """Store a company with a fresh key, then commit."""
     key = auth.new_api_key()
     with session_of(db) as session:
-        company = companies.create_company(session, name=name, api_key_hash=auth.hash_api_key(key))
+        company = companies.create_company(session, name=name)
+        add_key(session, company.id, key)
         session.commit()
         return CompanyWithKey(company.id, company.name, key)
 
@@ -250,12 +258,9 @@ def insert_weighted_company(
     """Store a company with this `weight` and `max_in_flight` (None: unlimited); commit."""
     key = auth.new_api_key()
     company = companies.create_company(
-        session,
-        name=name,
-        api_key_hash=auth.hash_api_key(key),
-        weight=weight,
-        max_in_flight=max_in_flight,
+        session, name=name, weight=weight, max_in_flight=max_in_flight
     )
+    add_key(session, company.id, key)
     session.commit()
     return CompanyWithKey(company.id, company.name, key)
 
@@ -282,8 +287,7 @@ def insert_companies_with_tasks(
     ids: list[uuid.UUID] = list(
         session.execute(
             text(
-                "INSERT INTO companies (name, api_key_hash) "
-                "SELECT :prefix || g, md5(:prefix || g || random()) "
+                "INSERT INTO companies (name) SELECT :prefix || g "
                 "FROM generate_series(1, :n) AS g RETURNING id"
             ),
             {"n": count, "prefix": prefix},

@@ -36,7 +36,7 @@ def test_admin_creates_a_company_and_gets_its_api_key_once(
 
     assert response.status_code == 201
     company = json_of(response)
-    assert set(company) == COMPANY_FIELDS | {"api_key"}
+    assert set(company) == COMPANY_FIELDS | {"api_key", "api_key_id"}
     uuid.UUID(company["id"])
     assert company["name"] == "Acme"
     assert dt.datetime.fromisoformat(company["created_at"]).tzinfo is not None
@@ -231,10 +231,21 @@ def test_stored_key_is_only_its_sha256_hex_digest(
         .one()
     )
 
-    assert row["api_key_hash"] == hashlib.sha256(key.encode()).hexdigest()
-    assert key not in row["as_json"]
-    for column, value in row.items():
-        assert key not in str(value), column
+    stored = (
+        db_session.execute(
+            text("SELECT *, row_to_json(k)::text AS as_json FROM api_keys k WHERE id = :id"),
+            {"id": created["api_key_id"]},
+        )
+        .mappings()
+        .one()
+    )
+
+    assert stored["key_hash"] == hashlib.sha256(key.encode()).hexdigest()
+    assert str(stored["company_id"]) == created["id"]
+    for found in (row, stored):
+        assert key not in found["as_json"]
+        for column, value in found.items():
+            assert key not in str(value), column
 
 
 @pytest.mark.parametrize("name", ["   ", "line\nbreak", "tab\there", "bell\x07", "c1\x85"])
@@ -652,7 +663,7 @@ def check_app(main_db_url: str) -> Iterator[Flask]:
     @app.post("/unchecked/<field>/<int(signed=True):value>")
     def unchecked(field: str, value: int) -> str:
         with database.session_factory()() as session:
-            company = companies.create_company(session, name="unchecked", api_key_hash="x")
+            company = companies.create_company(session, name="unchecked")
             companies.update_company_limits(session, company.id, **{field: value})
         raise AssertionError("the CHECK constraint let the value through")
 

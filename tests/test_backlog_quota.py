@@ -340,9 +340,7 @@ FROM companies c JOIN company_backlogs b ON b.company_id = c.id
 def add_companies(conn: psycopg.Connection[Any], count: int) -> list[uuid.UUID]:
     """`count` companies (committed), in company_id order: the order counters are locked in."""
     rows = conn.execute(
-        "INSERT INTO companies (name, api_key_hash) "
-        "SELECT 'c' || n, 'hash-' || gen_random_uuid() FROM generate_series(1, %s) n "
-        "RETURNING id",
+        "INSERT INTO companies (name) SELECT 'c' || n FROM generate_series(1, %s) n RETURNING id",
         [count],
     ).fetchall()
     return sorted(row[0] for row in rows)

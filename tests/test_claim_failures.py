@@ -168,8 +168,8 @@ def test_a_batch_larger_than_the_promotion_limit_is_not_short_while_due_companie
     not full and hundreds of due companies, whose work nobody holds, were never promoted."""
     with psycopg.connect(libpq(fresh_db_url), autocommit=True) as sql:
         sql.execute(
-            "INSERT INTO companies (name, api_key_hash, max_in_flight) "
-            "SELECT 'c' || g, md5(g::text), 1 FROM generate_series(1, 1500) g"
+            "INSERT INTO companies (name, max_in_flight) "
+            "SELECT 'c' || g, 1 FROM generate_series(1, 1500) g"
         )
         sql.execute(
             "INSERT INTO tasks (company_id, type, payload) "

@@ -29,7 +29,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 from werkzeug.test import TestResponse
 
-from api import database
+from api import auth, database
 from api.dashboard import SESSION_COOKIE_NAME, views
 from db import dashboard
 from tests.conftest import ADMIN_TOKEN, make_test_app
@@ -1057,9 +1057,8 @@ def test_recent_failures_read_only_the_newest_tasks_of_the_company(
 
 # Companies `first..last` of the workload (ids and names derived from their number).
 _SEED_COMPANIES = """
-INSERT INTO companies (id, name, api_key_hash, created_at, weight, max_in_flight, paused)
+INSERT INTO companies (id, name, created_at, weight, max_in_flight, paused)
 SELECT md5('dash-company-' || i)::uuid, 'tenant-' || lpad(CAST(i AS text), 5, '0'),
-       encode(sha256(convert_to('dash-key-' || i, 'UTF8')), 'hex'),
        now() - interval '30 days' + i * interval '1 s',
        1 + i % 5, CASE WHEN i % 7 = 0 THEN 10 END, i % 100 = 0
 FROM generate_series(CAST(:first AS int), CAST(:last AS int)) AS i
@@ -1200,3 +1199,116 @@ def test_every_page_answers_within_its_bounded_cost(
         for name, measured in large.items():
             ratio = measured / small[name]
             print(f"{name:<32}{small[name]:>10.1f}{measured:>10.1f}{ratio:>8.1f}")
+
+
+# -- API keys (issue 28) ----------------------------------------------------------------------
+
+
+def active_key_hashes(session: Session, company_id: uuid.UUID) -> set[str]:
+    rows = session.execute(
+        text(
+            "SELECT key_hash FROM api_keys WHERE company_id = :id AND revoked_at IS NULL "
+            "AND (expires_at IS NULL OR expires_at > now())"
+        ),
+        {"id": company_id},
+    ).scalars()
+    return set(rows)
+
+
+def test_a_company_page_lists_its_keys_without_their_secrets(
+    operator: FlaskClient, company: CompanyWithKey
+) -> None:
+    response = operator.get(f"/dashboard/companies/{company.id}")
+    shown = page_text(response)
+
+    assert "API keys" in shown
+    assert "active" in shown
+    assert "Issue a new key" in shown
+    assert company.api_key not in response.get_data(as_text=True)
+
+
+def test_issuing_a_key_shows_its_secret_once_and_it_works(
+    operator: FlaskClient, company: CompanyWithKey, db_session: Session
+) -> None:
+    response = act(operator, f"/dashboard/companies/{company.id}/keys", expires_in_days="30")
+
+    assert response.status_code == 201
+    assert response.headers["Cache-Control"] == "no-store"
+    secret = re.search(r'id="new-api-key"[^>]*>([^<]+)<', response.get_data(as_text=True))
+    assert secret is not None
+    key = secret.group(1)
+    assert "only time it is shown" in page_text(response)
+    assert auth.hash_api_key(key) in active_key_hashes(db_session, company.id)
+    assert len(active_key_hashes(db_session, company.id)) == 2
+    assert key not in operator.get(f"/dashboard/companies/{company.id}").get_data(as_text=True)
+    # The secret never went into the session cookie (no flash message carries it).
+    cookie = operator.get_cookie(SESSION_COOKIE_NAME, path="/dashboard")
+    assert cookie is None or key not in cookie.value
+
+
+@pytest.mark.parametrize("days", ["0", "lots", "99999"])
+def test_a_bad_expiry_is_a_422_naming_the_field_and_issues_nothing(
+    operator: FlaskClient, company: CompanyWithKey, db_session: Session, days: str
+) -> None:
+    response = act(operator, f"/dashboard/companies/{company.id}/keys", expires_in_days=days)
+
+    assert response.status_code == 422
+    assert "expires_in_days:" in page_text(response)
+    assert len(active_key_hashes(db_session, company.id)) == 1
+
+
+def test_rotating_a_key_keeps_the_old_one_for_the_overlap_and_revoking_ends_it(
+    operator: FlaskClient, company: CompanyWithKey, db_session: Session
+) -> None:
+    old_hash = auth.hash_api_key(company.api_key)
+    key_id = stored(db_session, "SELECT id FROM api_keys WHERE key_hash = :h", h=old_hash)
+    keys = f"/dashboard/companies/{company.id}/keys/{key_id}"
+
+    rotated = act(operator, f"{keys}/rotate", overlap_hours="2")
+
+    assert rotated.status_code == 201
+    assert "works until" in page_text(rotated)
+    expires_in = stored(
+        db_session,
+        "SELECT extract(epoch FROM expires_at - now()) FROM api_keys WHERE id = :id",
+        id=key_id,
+    )
+    assert 7000 < float(expires_in) <= 7200  # type: ignore[arg-type]
+    assert old_hash in active_key_hashes(db_session, company.id)
+    assert len(active_key_hashes(db_session, company.id)) == 2
+
+    revoked = act(operator, f"{keys}/revoke", next=f"/dashboard/companies/{company.id}")
+
+    assert revoked.status_code == 303
+    assert old_hash not in active_key_hashes(db_session, company.id)
+    assert f"Revoked API key {key_id}." in page_text(operator.get(revoked.headers["Location"]))
+
+
+def test_key_actions_need_the_csrf_token(
+    operator: FlaskClient, company: CompanyWithKey, db_session: Session
+) -> None:
+    key_id = stored(
+        db_session,
+        "SELECT id FROM api_keys WHERE key_hash = :h",
+        h=auth.hash_api_key(company.api_key),
+    )
+    base = f"/dashboard/companies/{company.id}/keys"
+    for path in (base, f"{base}/{key_id}/rotate", f"{base}/{key_id}/revoke"):
+        assert operator.post(path, data={}).status_code == 400
+    assert active_key_hashes(db_session, company.id) == {auth.hash_api_key(company.api_key)}
+
+
+def test_revoking_a_key_of_another_company_is_a_404(
+    operator: FlaskClient, company: CompanyWithKey, make_company: MakeCompany, db_session: Session
+) -> None:
+    other = make_company("other")
+    other_key = stored(
+        db_session,
+        "SELECT id FROM api_keys WHERE key_hash = :h",
+        h=auth.hash_api_key(other.api_key),
+    )
+
+    response = act(operator, f"/dashboard/companies/{company.id}/keys/{other_key}/revoke")
+
+    assert response.status_code == 404
+    assert auth.hash_api_key(other.api_key) in active_key_hashes(db_session, other.id)

@@ -407,3 +407,58 @@ def test_a_script_in_a_company_name_payload_or_error_runs_nowhere(
     )
     assert "<script>window.__fairq_xss = 'error'</script>" in shown[3]
     log.check()
+
+
+def test_an_operator_issues_rotates_and_revokes_a_tenants_api_key_in_the_browser(
+    browser: Browser, fresh_db_url: str, fresh_engine: Engine, screenshots: Path
+) -> None:
+    acme = insert_company(fresh_engine, "Acme Corp")
+
+    with serve_app(fresh_db_url) as port:
+        origin = f"http://127.0.0.1:{port}"
+        tasks = f"{origin}/companies/{acme.id}/tasks"
+        context = browser.new_context(viewport=VIEWPORT)  # type: ignore[arg-type]
+        page = context.new_page()
+        page.set_default_timeout(WAIT_MS)
+        log = BrowserLog(origin)
+        log.watch(page)
+        try:
+            log_in(page, origin)
+            page.goto(f"{origin}/dashboard/companies/{acme.id}")
+            assert page.locator("table.keys .key-active").count() == 1
+
+            # A new key, expiring in 30 days: its secret shown once, and it works.
+            page.fill("#expires_in_days", "30")
+            page.click("button:has-text('Issue a new key')")
+            issued = page.inner_text("#new-api-key").strip()
+            issued_id = page.inner_text("#new-api-key-id").strip()
+            shoot(page, screenshots, "key-issued", full_page=False)
+            assert requests.get(tasks, headers=bearer(issued), timeout=10).status_code == 200
+            page.click(".crumbs >> text=Acme Corp")
+            assert page.locator("table.keys .key-active").count() == 2
+            assert issued not in page.content()
+
+            # The first key rotated with no overlap: a third key, and the first one refused.
+            first_row = page.locator("table.keys tbody tr").last
+            first_row.locator("input[name=overlap_hours]").fill("0")
+            first_row.locator("button:has-text('Rotate')").click()
+            rotated = page.inner_text("#new-api-key").strip()
+            assert requests.get(tasks, headers=bearer(rotated), timeout=10).status_code == 200
+            assert requests.get(tasks, headers=acme.headers, timeout=10).status_code == 401
+
+            # The issued key revoked: refused at once.
+            page.click(".crumbs >> text=Acme Corp")
+            issued_row = page.locator(f"table.keys tbody tr:has(code[title='{issued_id}'])")
+            issued_row.locator("button:has-text('Revoke')").click()
+            assert flash(page).startswith("Revoked API key")
+            assert requests.get(tasks, headers=bearer(issued), timeout=10).status_code == 401
+            assert page.locator("table.keys .key-active").count() == 1
+            shoot(page, screenshots, "company-keys")
+        finally:
+            context.close()
+    log.check()
+
+
+def bearer(key: str) -> dict[str, str]:
+    """An Authorization header for `key`."""
+    return {"Authorization": f"Bearer {key}"}

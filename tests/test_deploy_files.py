@@ -12,6 +12,7 @@ import json
 import os
 import re
 import runpy
+import secrets
 import stat
 import subprocess
 import sys
@@ -67,6 +68,7 @@ _COUNTERS = (
     "tasks_lease_lost_total",
     "worker_child_restarts_total",
     "worker_child_timeouts_total",
+    "auth_failures_total",
     "flask_http_request_total",
     "flask_http_request_exceptions_total",
 )
@@ -94,7 +96,19 @@ ALLOWED_METRICS: Final = frozenset(
 )
 # Labels those metrics carry (bounded values only, design §7), plus Prometheus's target labels.
 ALLOWED_LABELS: Final = frozenset(
-    {"type", "status", "reason", "table", "method", "url_rule", "le", "job", "instance"}
+    {
+        "type",
+        "status",
+        "reason",
+        "table",
+        "method",
+        "url_rule",
+        "le",
+        "job",
+        "instance",
+        "surface",
+        "outcome",
+    }
 )
 
 _PROMQL_KEYWORDS = frozenset(
@@ -144,13 +158,19 @@ def dashboard() -> dict[str, Any]:
     return document
 
 
+# Variables compose must be given (`${NAME:?message}`), and the values the tests give them.
+REQUIRED_VARIABLES = {"ADMIN_TOKEN": secrets.token_urlsafe(32)}
+
+
 def compose_default(value: str) -> str:
-    """The value compose uses for `value` when no variable is set (`${NAME:-default}`)."""
+    """The value compose uses for `value` when no optional variable is set (`${NAME:-default}`)
+    and the required ones are `REQUIRED_VARIABLES`' (`${NAME:?message}`)."""
+    value = re.sub(r"\$\{(\w+):\?[^}]*\}", lambda found: REQUIRED_VARIABLES[found[1]], value)
     return re.sub(r"\$\{\w+:?-([^}]*)\}", r"\1", value)
 
 
 def environment(service: dict[str, Any]) -> dict[str, str]:
-    """A service's environment as compose would pass it with no variables set."""
+    """A service's environment as compose would pass it with only the required variables set."""
     env = service.get("environment", {})
     assert isinstance(env, dict), "write environment as a mapping, not a list"
     return {str(k): compose_default(str(v)) for k, v in env.items()}
@@ -327,7 +347,7 @@ def test_compose_environment_is_accepted_by_the_settings_parsers(
         f"@db:5432/{db_env['POSTGRES_DB']}"
     )
     assert api.database_url == worker.database_url == migrate_env["DATABASE_URL"] == expected_url
-    assert api.admin_token, "the default ADMIN_TOKEN must be long enough for the API to start"
+    assert api.admin_token == REQUIRED_VARIABLES["ADMIN_TOKEN"]
     assert api.metrics_dir is not None
     assert f"{worker.metrics_port}:{worker.metrics_port}" in services["worker"]["ports"]
     assert worker.handler_config.smtp_url == "smtp://mailpit:1025"
@@ -612,10 +632,17 @@ def test_the_readme_compose_token_reaches_compose_and_every_later_shell(tmp_path
         cwd=tmp_path, check=True, capture_output=True, text=True,
     )  # fmt: skip
 
-    assert len(env_file["ADMIN_TOKEN"]) >= 16
+    assert ApiSettings.from_env({"DATABASE_URL": "postgresql://db/fairq", **env_file}).admin_token
     assert later_shell.stdout == env_file["ADMIN_TOKEN"]
-    compose_file = COMPOSE_FILE.read_text()
-    assert "ADMIN_TOKEN: ${ADMIN_TOKEN" in compose_file
+
+
+def test_compose_refuses_to_run_without_an_admin_token(services: dict[str, Any]) -> None:
+    """No published fallback: compose stops with a message when ADMIN_TOKEN is unset."""
+    value = services["api"]["environment"]["ADMIN_TOKEN"]
+    required = re.fullmatch(r"\$\{ADMIN_TOKEN:\?(.+)\}", value)
+    assert required, f"ADMIN_TOKEN must be required (${{ADMIN_TOKEN:?...}}), not {value!r}"
+    assert "README" in required[1]
+    assert "change-me" not in COMPOSE_FILE.read_text()
 
 
 def test_promtool_accepts_the_rules_and_config() -> None:
@@ -710,6 +737,8 @@ def test_dashboard_shows_every_queue_worker_and_api_metric(dashboard: dict[str, 
 def api_metrics_text(client: FlaskClient) -> str:
     """The API's /metrics after one request to a templated route."""
     client.get("/companies/00000000-0000-0000-0000-000000000000/tasks")
+    # A failed authentication, so the labelled counter has a sample to expose.
+    client.get("/stats", headers={"Authorization": "Bearer wrong"})
     response = client.get("/metrics")
     assert response.status_code == 200
     return response.get_data(as_text=True)
@@ -734,6 +763,7 @@ def test_the_api_exposes_the_metric_names_the_alerts_and_dashboard_use(
         "flask_http_request_total",
         "flask_http_request_duration_seconds_bucket",
         "flask_http_request_duration_seconds_count",
+        "auth_failures_total",
     }
 
     assert api_names <= exposed, f"not exposed by the API: {api_names - exposed}"

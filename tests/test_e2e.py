@@ -41,7 +41,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRYPOINT = ROOT / "deploy" / "entrypoint.sh"
-ADMIN_TOKEN = "e2e-admin-token-0123456789"
+ADMIN_TOKEN = "4QWI5QH6jzNFC7xjrPs_03wKCWyIZxq1ofFMqF-e7IA"
 STOP_TIMEOUT = 30.0
 # Flags the test adds to a compose command (the worker's metrics port is chosen by the OS).
 EXTRA_ARGS: dict[str, Callable[[Path], list[str]]] = {

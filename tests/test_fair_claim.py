@@ -98,8 +98,7 @@ def add_companies(session: Session, count: int, tasks_each: int, prefix: str) ->
     ids: list[uuid.UUID] = list(
         session.execute(
             text(
-                "INSERT INTO companies (name, api_key_hash) "
-                "SELECT :prefix || g, md5(:prefix || g || random()) "
+                "INSERT INTO companies (name) SELECT :prefix || g "
                 "FROM generate_series(1, :n) AS g RETURNING id"
             ),
             {"n": count, "prefix": prefix},

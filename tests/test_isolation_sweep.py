@@ -23,12 +23,14 @@ from sqlalchemy.orm import Session
 from werkzeug.routing import Rule
 from werkzeug.test import TestResponse
 
-from db.models import Company, Task
+from api import auth
+from db.models import ApiKey, Company, Task
 from tests.conftest import ADMIN_TOKEN
 from tests.factories import (
     CompanyWithKey,
     MakeCompany,
     MakeTask,
+    add_key,
     company_limits,
     count_tasks,
     json_of,
@@ -53,6 +55,10 @@ ADMIN_EXPECTED: dict[tuple[str, str], int] = {
     ("/companies/<uuid:company_id>/pause", "POST"): 200,
     ("/companies/<uuid:company_id>/resume", "POST"): 200,
     ("/companies/<uuid:company_id>/stats", "GET"): 200,
+    ("/companies/<uuid:company_id>/keys", "GET"): 200,
+    ("/companies/<uuid:company_id>/keys", "POST"): 201,
+    ("/companies/<uuid:company_id>/keys/<uuid:key_id>", "DELETE"): 200,
+    ("/companies/<uuid:company_id>/keys/<uuid:key_id>/rotate", "POST"): 201,
 }
 
 # Admin-only company routes: every company key, its own included, gets the 401 of an
@@ -60,7 +66,7 @@ ADMIN_EXPECTED: dict[tuple[str, str], int] = {
 ADMIN_ONLY: set[tuple[str, str]] = {("/companies/<uuid:company_id>", "PATCH")}
 
 # Path arguments the sweep knows how to fill; a route with another one fails the sweep.
-KNOWN_ARGUMENTS = {"company_id", "task_id"}
+KNOWN_ARGUMENTS = {"company_id", "task_id", "key_id"}
 
 # A valid body per method: a refusal must come from who is asking, not from the body.
 BODIES: dict[str, dict[str, Any]] = {
@@ -70,6 +76,17 @@ BODIES: dict[str, dict[str, Any]] = {
 # Routes whose valid body is not their method's in BODIES.
 ROUTE_BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("/companies/<uuid:company_id>/task-batches", "POST"): {"tasks": [{"type": "noop"}] * 2},
+    ("/companies/<uuid:company_id>/keys", "POST"): {"expires_in_seconds": 3600},
+    ("/companies/<uuid:company_id>/keys/<uuid:key_id>/rotate", "POST"): {"overlap_seconds": 60},
+}
+KEY_FIELDS = {
+    "id",
+    "company_id",
+    "created_at",
+    "last_used_at",
+    "expires_at",
+    "revoked_at",
+    "active",
 }
 COMPANY_FIELDS = {"id", "name", "created_at", "weight", "max_in_flight", "max_pending", "paused"}
 # The admin's 200 answers that are not the company itself: (their fields, the field with its id).
@@ -80,6 +97,13 @@ ADMIN_OK_BODIES: dict[tuple[str, str], tuple[set[str], str]] = {
             "in_flight", "oldest_runnable_wait_seconds", "completed_last_5m", "failed_last_5m",
             "completed_last_60m", "failed_last_60m", "estimated",
         },
+        "company_id",
+    ),
+    ("/companies/<uuid:company_id>/keys", "GET"): ({"company_id", "keys"}, "company_id"),
+    ("/companies/<uuid:company_id>/keys", "POST"): (KEY_FIELDS | {"api_key"}, "company_id"),
+    ("/companies/<uuid:company_id>/keys/<uuid:key_id>", "DELETE"): (KEY_FIELDS, "company_id"),
+    ("/companies/<uuid:company_id>/keys/<uuid:key_id>/rotate", "POST"): (
+        KEY_FIELDS | {"api_key", "replaces"},
         "company_id",
     ),
 }  # fmt: skip
@@ -121,12 +145,19 @@ def company_routes(app: Flask) -> list[Route]:
 
 @dataclass(frozen=True)
 class Tenants:
-    """A victim with tasks in several states, and an intruder with one task of its own."""
+    """A victim with tasks in several states and two API keys (the admin's sweep revokes
+    `spare_key` and rotates `main_key`), and an intruder with one task of its own."""
 
     victim: CompanyWithKey
     intruder: CompanyWithKey
     victim_tasks: tuple[str, ...]
     intruder_task: str
+    main_key: uuid.UUID
+    spare_key: uuid.UUID
+
+    def key_for(self, route: Route) -> uuid.UUID:
+        """The victim's key a route with `key_id` is sent for."""
+        return self.main_key if route.rule.rule.endswith("/rotate") else self.spare_key
 
     @property
     def secrets(self) -> tuple[str, ...]:
@@ -140,7 +171,7 @@ class Tenants:
 
 
 @pytest.fixture
-def tenants(make_company: MakeCompany, make_task: MakeTask) -> Tenants:
+def tenants(make_company: MakeCompany, make_task: MakeTask, db_session: Session) -> Tenants:
     """A victim whose tasks could be cancelled (pending) or retried (failed, cancelled)."""
     victim, intruder = make_company(f"corp {NAME_MARKER}"), make_company("intruder")
     payload = {"url": f"https://victim.example/{PAYLOAD_MARKER}", "body": PAYLOAD_MARKER}
@@ -153,7 +184,18 @@ def tenants(make_company: MakeCompany, make_task: MakeTask) -> Tenants:
         )
     ]
     own = make_task(intruder.id)
-    return Tenants(victim, intruder, tuple(str(t.id) for t in tasks), str(own.id))
+    add_key(db_session, victim.id, auth.new_api_key())
+    db_session.commit()
+    main, spare = (
+        db_session.execute(
+            select(ApiKey.id)
+            .where(ApiKey.company_id == victim.id)
+            .order_by(ApiKey.key_hash != auth.hash_api_key(victim.api_key))
+        )
+        .scalars()
+        .all()
+    )
+    return Tenants(victim, intruder, tuple(str(t.id) for t in tasks), str(own.id), main, spare)
 
 
 def snapshot(session: Session) -> list[tuple[Any, ...]]:
@@ -165,13 +207,18 @@ def snapshot(session: Session) -> list[tuple[Any, ...]]:
 
 
 def company_snapshot(session: Session) -> list[tuple[Any, ...]]:
-    """Every company row's mutable state (name, limits, paused)."""
+    """Every company row's mutable state (name, limits, paused), and every API key's."""
     rows = session.execute(
         select(
             Company.id, Company.name, Company.weight, Company.max_in_flight, Company.paused
         ).order_by(Company.id)
     )
-    return [tuple(row) for row in rows]
+    keys = session.execute(
+        select(ApiKey.id, ApiKey.company_id, ApiKey.expires_at, ApiKey.revoked_at).order_by(
+            ApiKey.id
+        )
+    )
+    return [tuple(row) for row in rows] + [tuple(row) for row in keys]
 
 
 @pytest.fixture
@@ -200,11 +247,13 @@ def call(
     company: object,
     task: object,
     headers: dict[str, str],
+    key: object = None,
 ) -> TestResponse:
-    """Send `route` with these path ids and a valid body (`ROUTE_BODIES`, else `BODIES`)."""
+    """Send `route` with these path ids and a valid body (`ROUTE_BODIES`, else `BODIES`);
+    `key`: the `key_id` (None: a random one)."""
     unknown = set(route.rule.arguments) - KNOWN_ARGUMENTS
     assert not unknown, f"{route}: the sweep cannot fill {sorted(unknown)}; extend it"
-    values = {"company_id": company, "task_id": task}
+    values = {"company_id": company, "task_id": task, "key_id": key or uuid.uuid4()}
     adapter = client.application.url_map.bind("localhost")
     path = adapter.build(
         route.rule.endpoint,
@@ -232,7 +281,7 @@ def test_every_company_route_has_an_expected_admin_answer(app: Flask) -> None:
     assert routes - set(ADMIN_EXPECTED) == set(), "add the admin's answer to ADMIN_EXPECTED"
     assert set(ADMIN_EXPECTED) - routes == set(), "ADMIN_EXPECTED names routes that are gone"
     assert ADMIN_ONLY - routes == set(), "ADMIN_ONLY names routes that are gone"
-    assert {method for _, method in routes} <= {"GET", *BODIES}, "add a valid body to BODIES"
+    assert {method for _, method in routes} <= {"GET", "DELETE", *BODIES}, "add a body to BODIES"
 
 
 @pytest.mark.usefixtures("unchanged")
@@ -257,7 +306,12 @@ def test_another_companys_key_gets_the_404_of_a_missing_id_on_every_company_rout
             )
             for task in tenants.victim_tasks:
                 response = call(
-                    client, route, company=company, task=task, headers=tenants.intruder.headers
+                    client,
+                    route,
+                    company=company,
+                    task=task,
+                    key=tenants.key_for(route),
+                    headers=tenants.intruder.headers,
                 )
                 where = f"{route} company={company} task={task}"
                 if response.status_code != expected or json_of(response)["code"] != expected:
@@ -282,7 +336,12 @@ def test_admin_token_gets_the_designed_answer_on_every_company_route(
             continue
         for task in tenants.victim_tasks:
             response = call(
-                client, route, company=tenants.victim.id, task=task, headers=admin_headers
+                client,
+                route,
+                company=tenants.victim.id,
+                task=task,
+                key=tenants.key_for(route),
+                headers=admin_headers,
             )
             where = f"{route} task={task}"
             if response.status_code != expected:
@@ -290,7 +349,7 @@ def test_admin_token_gets_the_designed_answer_on_every_company_route(
                 continue
             if found := leaks(response, tenants.task_secrets):
                 problems.append(f"{where}: leaks task data {found}")
-            if expected == 200:
+            if expected in (200, 201):
                 body = json_of(response)
                 fields, id_field = ADMIN_OK_BODIES.get(route.key, (COMPANY_FIELDS, "id"))
                 if set(body) != fields or body[id_field] != str(tenants.victim.id):

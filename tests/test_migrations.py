@@ -13,13 +13,14 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import psycopg
 import pytest
 from alembic import command
 from alembic.script import ScriptDirectory
 from sqlalchemy import CheckConstraint, Connection, Engine, Index, pool, text
 from sqlalchemy.schema import AddConstraint, CreateIndex
 
-from db import models
+from db import api_keys, models
 from db.engine import make_engine
 from tests import pg
 
@@ -466,3 +467,53 @@ def test_migration_0011_carries_the_claim_cursor_into_its_sequences_and_back(
         ).all()
     assert "autovacuum_vacuum_threshold=1000" in options["claim_cursor"]
     assert sequences == []
+
+
+def test_the_api_keys_migration_keeps_every_company_key_working_and_downgrades(
+    empty_db_url: str,
+) -> None:
+    """Migration 0014 moves `companies.api_key_hash` into `api_keys`; its downgrade gives each
+    company back its newest active key."""
+    config = pg.alembic_config(empty_db_url)
+    command.upgrade(config, "0014-1")
+    with connect(empty_db_url) as conn:
+        ids: dict[str, uuid.UUID] = dict(
+            conn.execute(
+                text(
+                    "INSERT INTO companies (name, api_key_hash) VALUES ('a', 'ha'), ('b', 'hb') "
+                    "RETURNING api_key_hash, id"
+                )
+            ).all()
+        )
+        conn.commit()
+
+    command.upgrade(config, "0014")
+    with connect(empty_db_url) as conn:
+        keys = conn.execute(
+            text(
+                "SELECT k.key_hash, k.company_id, k.created_at = c.created_at, k.revoked_at, "
+                "k.expires_at FROM api_keys k JOIN companies c ON c.id = k.company_id"
+            )
+        ).all()
+        assert sorted(keys) == sorted(
+            (key_hash, company_id, True, None, None) for key_hash, company_id in ids.items()
+        )
+        driver = conn.connection.driver_connection
+        assert isinstance(driver, psycopg.Connection)
+        found = api_keys.find_active_key(driver, "ha")
+        assert found is not None
+        assert found.company_id == ids["ha"]
+        # A second key for `a`, newer: the one the downgrade keeps; `b`'s only key is revoked.
+        conn.execute(
+            text("INSERT INTO api_keys (company_id, key_hash) VALUES (:id, 'ha2')"),
+            {"id": ids["ha"]},
+        )
+        conn.execute(text("UPDATE api_keys SET revoked_at = now() WHERE key_hash = 'hb'"))
+        conn.commit()
+
+    command.downgrade(config, "0014-1")
+    with connect(empty_db_url) as conn:
+        kept: dict[uuid.UUID, str] = dict(
+            conn.execute(text("SELECT id, api_key_hash FROM companies")).all()
+        )
+    assert kept == {ids["ha"]: "ha2", ids["hb"]: "hb"}

@@ -229,7 +229,7 @@ def test_an_idle_writer_is_the_holder_not_the_younger_snapshots_that_wait_on_it(
     writer = fresh_engine.connect()
     reader: Connection | None = None
     try:
-        writer.execute(text("INSERT INTO companies (name, api_key_hash) VALUES ('w', 'x')"))
+        writer.execute(text("INSERT INTO companies (name) VALUES ('w')"))
         writer_opened = time.monotonic()
         writer_xid = backend_xids(writer)[0]
         time.sleep(1.0)
@@ -278,7 +278,7 @@ def test_a_prepared_transaction_holds_back_cleanup_from_its_prepare(fresh_engine
     collector = QueueCollector(fresh_engine, 1000)
     gid = f"fairq-test-{uuid.uuid4()}"
     with fresh_engine.connect() as conn:
-        conn.execute(text("INSERT INTO companies (name, api_key_hash) VALUES ('p', 'x')"))
+        conn.execute(text("INSERT INTO companies (name) VALUES ('p')"))
         conn.execute(text(f"PREPARE TRANSACTION '{gid}'"))
     prepared = time.monotonic()  # its PREPARE ran before this
     try:

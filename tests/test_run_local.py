@@ -274,6 +274,16 @@ def test_an_invalid_port_is_a_configuration_error(
     assert not run.datadir.exists()
 
 
+def test_a_guessable_admin_token_is_a_configuration_error(
+    start_run: Callable[..., Run], state_dir: Path
+) -> None:
+    run = start_run(state_dir, env={"ADMIN_TOKEN": "change-me-please-0123456789"})
+    assert run.wait(30) == 2
+    assert "ADMIN_TOKEN is the published placeholder" in run.stderr()
+    assert "secrets.token_urlsafe(32)" in run.stderr()
+    assert not run.datadir.exists()
+
+
 def test_a_worker_that_cannot_start_means_no_banner_and_a_failed_exit(
     start_run: Callable[..., Run], state_dir: Path, fresh_db_url: str
 ) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from worker import cli
 from worker.settings import PassSettings, WorkerSettings
 
 URL = "postgresql+psycopg://fairq@db.example/fairq"
-TOKEN = "a-sufficiently-long-admin-token"
+TOKEN = "Cb-Gb1wuMmGi1EEP58eiO6U-qHk83f_qhOn8O2wSPF8"
 
 
 def test_api_settings_need_database_url() -> None:
@@ -46,9 +48,38 @@ def test_api_settings_from_a_valid_environment() -> None:
     assert settings.stale_after_seconds == 60.0
 
 
-def test_admin_token_shorter_than_16_characters_is_rejected() -> None:
-    with pytest.raises(SettingsError, match="ADMIN_TOKEN"):
-        ApiSettings.from_env({"DATABASE_URL": URL, "ADMIN_TOKEN": "short-token"})
+@pytest.mark.parametrize(
+    ("token", "why"),
+    [
+        ("change-me-please-0123456789", "published placeholder"),
+        ("CHANGE-ME-please-0123456789-and-some-more-text", "published placeholder"),
+        ("short-token", "at least 32 characters"),
+        ("x7Kq" * 7 + "x7K", "at least 32 characters"),  # 31 characters
+        ("ab" * 40, "too repetitive"),
+        ("0123456789" * 4, "too repetitive"),
+        ("Zq9#Lm2$" * 5, "too repetitive"),
+    ],
+)
+def test_a_guessable_admin_token_is_refused_saying_how_to_make_one(token: str, why: str) -> None:
+    with pytest.raises(SettingsError, match="ADMIN_TOKEN") as refused:
+        ApiSettings.from_env({"DATABASE_URL": URL, "ADMIN_TOKEN": token})
+
+    assert why in str(refused.value)
+    assert "secrets.token_urlsafe(32)" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: secrets.token_urlsafe(32),
+        lambda: secrets.token_hex(32),
+    ],
+    ids=["token_urlsafe(32)", "token_hex(32)"],
+)
+def test_tokens_from_secrets_are_accepted(make: Callable[[], str]) -> None:
+    for _ in range(200):
+        token = make()
+        assert ApiSettings.from_env({"DATABASE_URL": URL, "ADMIN_TOKEN": token}).admin_token
 
 
 @pytest.mark.parametrize("value", [None, "", "   "], ids=["unset", "empty", "blank"])

@@ -1,5 +1,6 @@
 """/companies: create a tenant (admin), read it (the tenant or the admin), set its limits
-(admin), pause and resume it (the tenant or the admin)."""
+(admin), pause and resume it, list, issue, rotate and revoke its API keys (the tenant or the
+admin)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,25 @@ import time
 import uuid
 from typing import Any
 
+from flask import current_app, g
 from flask.views import MethodView
 
 from api import auth, database, settings
 from api.companies.schemas import (
+    ApiKeyExpirySchema,
+    ApiKeyIssuedSchema,
+    ApiKeyListSchema,
+    ApiKeyRotatedSchema,
+    ApiKeyRotateSchema,
+    ApiKeySchema,
     CompanyCreatedSchema,
     CompanyCreateSchema,
     CompanyLimitsSchema,
     CompanySchema,
 )
 from api.parser import Blueprint
-from db import companies, workers
+from db import api_keys, companies, workers
+from db.engine import driver_connection
 
 blp = Blueprint("companies", __name__, url_prefix="/companies", description="Tenants.")
 
@@ -38,16 +47,19 @@ class Companies(MethodView):
     def post(self, body: dict[str, Any]) -> dict[str, Any]:
         """Create a company and return its API key (admin only)."""
         key = auth.new_api_key()
-        session = database.session()
-        company = companies.create_company(
-            session,
-            name=body["name"],
-            api_key_hash=auth.hash_api_key(key),
-            weight=body["weight"],
-            max_in_flight=body["max_in_flight"],
-            max_pending=body.get("max_pending", settings.current().default_max_pending),
-        )
-        session.commit()
+        # The company and its first key commit together.
+        with database.session_factory()() as session:
+            company = companies.create_company(
+                session,
+                name=body["name"],
+                weight=body["weight"],
+                max_in_flight=body["max_in_flight"],
+                max_pending=body.get("max_pending", settings.current().default_max_pending),
+            )
+            issued = api_keys.issue_key(
+                driver_connection(session), company.id, auth.hash_api_key(key)
+            )
+            session.commit()
         return {
             "id": company.id,
             "name": company.name,
@@ -57,6 +69,7 @@ class Companies(MethodView):
             "max_pending": company.max_pending,
             "paused": company.paused,
             "api_key": key,
+            "api_key_id": issued.id,
         }
 
 
@@ -147,3 +160,104 @@ class CompanyResume(MethodView):
             )
             session.commit()
         return company
+
+
+def _issued(record: api_keys.ApiKeyRecord, key: str) -> dict[str, Any]:
+    return {**record.__dict__, "api_key": key}
+
+
+@blp.route("/<uuid:company_id>/keys")
+class CompanyKeys(MethodView):
+    """A company's API keys."""
+
+    @blp.doc(operationId="list_api_keys")
+    @auth.company_required(allow_admin=True)
+    @blp.response(200, ApiKeyListSchema)
+    @blp.error(401, "Missing or invalid token.")
+    @blp.error(404, "No such company, or not yours.")
+    def get(self, company_id: uuid.UUID) -> Any:
+        """List a company's API keys, never their secrets (its own key, or the admin token)."""
+        keys = api_keys.list_keys(database.connection(), company_id)
+        return {"company_id": company_id, "keys": keys}
+
+    @blp.doc(operationId="issue_api_key")
+    @auth.company_required(allow_admin=True)
+    @blp.arguments(ApiKeyExpirySchema())
+    @blp.response(201, ApiKeyIssuedSchema)
+    @blp.error(400, "Malformed JSON.")
+    @blp.error(401, "Missing or invalid token.")
+    @blp.error(404, "No such company, or not yours.")
+    @blp.error(409, f"The company has {api_keys.MAX_ACTIVE_KEYS} active keys already.")
+    @blp.error(415, "Body is not JSON.")
+    def post(self, body: dict[str, Any], company_id: uuid.UUID) -> Any:
+        """Issue a new API key and return it, shown only this once (its own key, or the
+        admin token).
+
+        The company's other keys keep working: to rotate a key without downtime, issue a
+        new one, deploy it, then revoke the old one (or use .../rotate).
+        """
+        key = auth.new_api_key()
+        conn = database.connection()
+        with conn.transaction():
+            record = api_keys.issue_key(conn, company_id, auth.hash_api_key(key), **body)
+        database.release()
+        return _issued(record, key)
+
+
+@blp.route("/<uuid:company_id>/keys/<uuid:key_id>")
+class CompanyKey(MethodView):
+    """One API key of a company."""
+
+    @blp.doc(operationId="revoke_api_key")
+    @auth.company_required(allow_admin=True)
+    @blp.response(200, ApiKeySchema)
+    @blp.error(401, "Missing or invalid token.")
+    @blp.error(404, "No such company or key, or not yours.")
+    @blp.error(409, "A company cannot revoke its own last active key.")
+    def delete(self, company_id: uuid.UUID, key_id: uuid.UUID) -> Any:
+        """Revoke an API key now and return it (its own key, or the admin token).
+
+        From then on the key gets 401: at once on this API process, within
+        KEY_CACHE_SECONDS (5 s) on the others. It stays listed with its revoked_at.
+        Revoking a revoked key changes nothing. A company may not revoke its last active key
+        (409: it would lock itself out); the admin token may.
+        """
+        principal: auth.Principal = g.fairq_principal
+        conn = database.connection()
+        with conn.transaction():
+            record = api_keys.revoke_key(
+                conn, company_id, key_id, keep_one_active=not principal.is_admin
+            )
+        database.release()
+        auth.key_cache(current_app).clear()
+        return record
+
+
+@blp.route("/<uuid:company_id>/keys/<uuid:key_id>/rotate")
+class CompanyKeyRotate(MethodView):
+    """Replace an API key, the old one working a while longer."""
+
+    @blp.doc(operationId="rotate_api_key")
+    @auth.company_required(allow_admin=True)
+    @blp.arguments(ApiKeyRotateSchema())
+    @blp.response(201, ApiKeyRotatedSchema)
+    @blp.error(400, "Malformed JSON.")
+    @blp.error(401, "Missing or invalid token.")
+    @blp.error(404, "No such company or key, or not yours.")
+    @blp.error(409, "The key is revoked or expired already, or the company is at its limit.")
+    @blp.error(415, "Body is not JSON.")
+    def post(self, body: dict[str, Any], company_id: uuid.UUID, key_id: uuid.UUID) -> Any:
+        """Issue a new key and let the old one expire after `overlap_seconds` (its own key,
+        or the admin token).
+
+        The new key is returned, shown only this once, with the old key's new expires_at in
+        `replaces`. Both work during the overlap; revoke the old one sooner when done.
+        """
+        key = auth.new_api_key()
+        conn = database.connection()
+        with conn.transaction():
+            old, new = api_keys.rotate_key(conn, company_id, key_id, auth.hash_api_key(key), **body)
+        database.release()
+        # The old key's expiry moved: this process forgets what it remembered of it.
+        auth.key_cache(current_app).clear()
+        return {**_issued(new, key), "replaces": old}

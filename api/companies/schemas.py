@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 from marshmallow import RAISE, Schema, ValidationError, fields, validate, validates_schema
 
 from api import validators
+from db.api_keys import MAX_ACTIVE_KEYS
 from db.models import (
     MAX_IN_FLIGHT,
     MAX_PENDING,
@@ -124,10 +126,120 @@ class CompanySchema(Schema):
     paused = fields.Boolean(dump_only=True, metadata={"description": PAUSED_DESCRIPTION})
 
 
+API_KEY_DESCRIPTION = (
+    "Bearer token for this company's endpoints. Shown only this once: store it now."
+)
+# The longest lifetime and rotation overlap a request may ask for.
+MAX_KEY_LIFETIME_SECONDS = 10 * 365 * 86400
+MAX_OVERLAP_SECONDS = 30 * 86400
+DEFAULT_OVERLAP_SECONDS = 86400
+
+
 class CompanyCreatedSchema(CompanySchema):
     """A new company with its API key, which is shown only this once."""
 
-    api_key = fields.String(
+    api_key = fields.String(dump_only=True, metadata={"description": API_KEY_DESCRIPTION})
+    api_key_id = fields.UUID(
+        dump_only=True, metadata={"description": "Id of that key (GET /companies/{id}/keys)."}
+    )
+
+
+class ApiKeyExpirySchema(Schema):
+    """When a new key expires: `expires_in_seconds` or `expires_at`, not both; neither: never."""
+
+    class Meta:
+        unknown = RAISE
+
+    expires_in_seconds = fields.Integer(
+        strict=True,
+        validate=validate.Range(min=1, max=MAX_KEY_LIFETIME_SECONDS),
+        metadata={
+            "description": f"The new key stops working this many seconds from now "
+            f"(1..{MAX_KEY_LIFETIME_SECONDS})."
+        },
+    )
+    expires_at = fields.AwareDateTime(
+        metadata={"description": "The new key stops working at this moment, ISO 8601 with an "
+                  "offset, in the future (at most ten years ahead)."},
+    )  # fmt: skip
+
+    @validates_schema
+    def _one_expiry(self, data: dict[str, Any], **_kwargs: Any) -> None:
+        expires_at = data.get("expires_at")
+        if expires_at is not None and "expires_in_seconds" in data:
+            raise ValidationError("give expires_at or expires_in_seconds, not both", "expires_at")
+        if expires_at is not None:
+            ahead = (expires_at - dt.datetime.now(dt.UTC)).total_seconds()
+            if not 0 < ahead <= MAX_KEY_LIFETIME_SECONDS:
+                raise ValidationError(
+                    "must be in the future, at most ten years ahead", "expires_at"
+                )
+
+
+class ApiKeyRotateSchema(ApiKeyExpirySchema):
+    """Body of POST /companies/{companyId}/keys/{keyId}/rotate (every field optional)."""
+
+    overlap_seconds = fields.Integer(
+        strict=True,
+        load_default=DEFAULT_OVERLAP_SECONDS,
+        validate=validate.Range(min=0, max=MAX_OVERLAP_SECONDS),
+        metadata={
+            "description": f"How long the old key keeps working beside the new one, in seconds "
+            f"(0..{MAX_OVERLAP_SECONDS}; default {DEFAULT_OVERLAP_SECONDS}: a day). It then "
+            "expires (sooner if it was due to)."
+        },
+    )
+
+
+class ApiKeySchema(Schema):
+    """An API key as listed: never its secret nor its hash."""
+
+    id = fields.UUID(dump_only=True)
+    company_id = fields.UUID(dump_only=True)
+    created_at = fields.AwareDateTime(dump_only=True)
+    last_used_at = fields.AwareDateTime(
         dump_only=True,
-        metadata={"description": "Bearer token for this company's endpoints. Store it now."},
+        allow_none=True,
+        metadata={"description": "Last successful authentication, to the minute; null: never."},
+    )
+    expires_at = fields.AwareDateTime(
+        dump_only=True, allow_none=True, metadata={"description": "null: never expires."}
+    )
+    revoked_at = fields.AwareDateTime(
+        dump_only=True, allow_none=True, metadata={"description": "null: not revoked."}
+    )
+    active = fields.Boolean(
+        dump_only=True,
+        metadata={"description": "Neither revoked nor expired: the key authenticates."},
+    )
+
+
+class ApiKeyListSchema(Schema):
+    """A company's keys: every active one (at most the company's limit), then its newest
+    revoked or expired ones."""
+
+    company_id = fields.UUID(dump_only=True)
+    keys = fields.List(
+        fields.Nested(ApiKeySchema),
+        dump_only=True,
+        metadata={
+            "description": f"Active keys first (at most {MAX_ACTIVE_KEYS}), then up to 100 "
+            "revoked or expired ones; newest first within each."
+        },
+    )
+
+
+class ApiKeyIssuedSchema(ApiKeySchema):
+    """A new key with its secret, which is shown only this once."""
+
+    api_key = fields.String(dump_only=True, metadata={"description": API_KEY_DESCRIPTION})
+
+
+class ApiKeyRotatedSchema(ApiKeyIssuedSchema):
+    """The new key with its secret, and the old key with its new expiry."""
+
+    replaces = fields.Nested(
+        ApiKeySchema,
+        dump_only=True,
+        metadata={"description": "The old key: it works until its expires_at."},
     )

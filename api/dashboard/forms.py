@@ -18,6 +18,11 @@ from wtforms import HiddenField, IntegerField, PasswordField
 from wtforms.validators import InputRequired, NumberRange, Optional, StopValidation
 
 from api import validators
+from api.companies.schemas import (
+    DEFAULT_OVERLAP_SECONDS,
+    MAX_KEY_LIFETIME_SECONDS,
+    MAX_OVERLAP_SECONDS,
+)
 from db.dashboard import CompanySort
 from db.models import (
     MAX_IN_FLIGHT,
@@ -89,6 +94,26 @@ class LimitsForm(FlaskForm):  # type: ignore[misc]
         "Max pending",
         validators=[Optional(), NumberRange(min=MIN_PENDING, max=MAX_PENDING)],
         description=f"Most unfinished tasks ({MIN_PENDING}..{MAX_PENDING:,}); blank: unlimited.",
+    )
+
+
+class KeyIssueForm(FlaskForm):  # type: ignore[misc]
+    """A new API key: when it expires, in days; blank: never."""
+
+    expires_in_days = StrictIntegerField(
+        "Expires in (days)",
+        validators=[Optional(), NumberRange(min=1, max=MAX_KEY_LIFETIME_SECONDS // 86400)],
+        description="Blank: never.",
+    )
+
+
+class KeyRotateForm(FlaskForm):  # type: ignore[misc]
+    """A rotation: how long the old key keeps working beside the new one, in hours."""
+
+    overlap_hours = StrictIntegerField(
+        "Old key works for (hours)",
+        default=DEFAULT_OVERLAP_SECONDS // 3600,
+        validators=[InputRequired(), NumberRange(min=0, max=MAX_OVERLAP_SECONDS // 3600)],
     )
 
 

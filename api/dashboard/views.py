@@ -39,19 +39,32 @@ from flask_wtf.csrf import generate_csrf
 from marshmallow import EXCLUDE, Schema, ValidationError
 from sqlalchemy.orm import Session
 
-from api import auth, database, errors
+from api import auth, database, errors, throttle
 from api import settings as api_settings
 from api.dashboard import URL_PREFIX, csrf
 from api.dashboard.forms import (
     MAX_OFFSET,
     CompanyListQuery,
     CompanyTasksQuery,
+    KeyIssueForm,
+    KeyRotateForm,
     LimitsForm,
     LoginForm,
 )
 from api.parser import REPEATED_PARAMETER
 from api.settings import ApiSettings
-from db import companies, dashboard, engine, queue, queue_health, statistics, tenant_stats, workers
+from db import (
+    api_keys,
+    companies,
+    dashboard,
+    engine,
+    queue,
+    queue_health,
+    statistics,
+    tenant_stats,
+    workers,
+)
+from db.engine import driver_connection
 from db.models import TaskStatus
 from worker import tasktypes
 
@@ -261,15 +274,21 @@ def login_form() -> ResponseReturnValue:
 
 @blp.post("/login")
 def login() -> ResponseReturnValue:
-    """Exchange the admin token for a session; 422 without a token, 401 with a wrong one."""
+    """Exchange the admin token for a session; 422 without a token, 401 with a wrong one, 429
+    with `Retry-After` while the client's address is throttled (`api.throttle`)."""
     form = LoginForm()
     if not form.validate():
         return render_template("dashboard/login.html", form=form), 422
+    wait = throttle.retry_after()
+    if wait is not None:
+        # Before the comparison: a right guess is not told from a wrong one meanwhile.
+        throttle.refuse("dashboard", wait)
     token = str(form.token.data).strip()
     admin = _settings().admin_token
     assert admin is not None  # _guard answered 503 otherwise
     if not hmac.compare_digest(token.encode(), admin.encode()):
-        log.warning("dashboard login refused: not the admin token")
+        throttle.record_failure("dashboard")
+        log.warning("dashboard login refused from %s: not the admin token", request.remote_addr)
         form.token.errors = ["This is not the admin token."]
         return render_template("dashboard/login.html", form=form), 401
     # A new session: nothing of the one before the login (its CSRF token included) survives.
@@ -369,7 +388,10 @@ def company(company_id: uuid.UUID) -> ResponseReturnValue:
 
 
 def _company_page(
-    company_id: uuid.UUID, limits_form: LimitsForm | None = None, status: int = 200
+    company_id: uuid.UUID,
+    limits_form: LimitsForm | None = None,
+    status: int = 200,
+    issue_form: KeyIssueForm | None = None,
 ) -> ResponseReturnValue:
     args = _query(CompanyTasksQuery())
     offset = (args["page"] - 1) * PAGE_SIZE
@@ -382,6 +404,7 @@ def _company_page(
             reader.connection(), company_id, limits=_settings().stats_limits
         )
         failures = dashboard.recent_failures(reader.connection(), company_id, limit=RECENT_FAILURES)
+        keys = api_keys.list_keys(driver_connection(reader), company_id)
         tasks, has_more = queue.list_tasks(
             reader,
             company_id,
@@ -407,6 +430,9 @@ def _company_page(
         statuses=[s.value for s in TaskStatus],
         types=tasktypes.names(),
         form=form,
+        keys=keys,
+        issue_form=issue_form or KeyIssueForm(),
+        rotate_form=KeyRotateForm(),
         now=stats.as_of,
     )
     return page, status
@@ -504,6 +530,82 @@ def limits(company_id: uuid.UUID) -> ResponseReturnValue:
     writer.commit()
     flash(f"Saved the limits of {changed.name}.")
     return _back(url_for(".company", company_id=company_id))
+
+
+def _key_issued(
+    company_id: uuid.UUID, key: str, record: api_keys.ApiKeyRecord, replaces: str | None = None
+) -> ResponseReturnValue:
+    """The one page that shows a new key's secret: rendered by the POST itself (no redirect,
+    so the secret is never kept in the session cookie for a flash message), sent `no-store`."""
+    with _reading() as reader:
+        stored = companies.get_company(reader, company_id)
+        now = reader.connection().exec_driver_sql("SELECT now()").scalar_one()
+    page = render_template(
+        "dashboard/key_issued.html",
+        company=stored,
+        key=key,
+        record=record,
+        replaces=replaces,
+        now=now,
+    )
+    return page, 201
+
+
+@blp.post("/companies/<uuid:company_id>/keys")
+def issue_key(company_id: uuid.UUID) -> ResponseReturnValue:
+    """Issue a company a new API key and show its secret once; 422 naming a bad field."""
+    form = KeyIssueForm()
+    if not form.validate():
+        return _company_page(company_id, issue_form=form, status=422)
+    days = form.expires_in_days.data
+    key = auth.new_api_key()
+    with database.session_factory()() as writer:
+        record = api_keys.issue_key(
+            driver_connection(writer),
+            company_id,
+            auth.hash_api_key(key),
+            expires_in_seconds=None if days is None else days * 86400,
+        )
+        writer.commit()
+    return _key_issued(company_id, key, record)
+
+
+@blp.post("/companies/<uuid:company_id>/keys/<uuid:key_id>/rotate")
+def rotate_key(company_id: uuid.UUID, key_id: uuid.UUID) -> ResponseReturnValue:
+    """Replace a key with a new one (shown once), the old one working `overlap_hours` more."""
+    form = KeyRotateForm()
+    if not form.validate():
+        found = {"form": form.errors}
+        abort(422, message=errors.validation_message(found), errors=found)
+    hours = form.overlap_hours.data
+    assert isinstance(hours, int)  # InputRequired passed
+    key = auth.new_api_key()
+    with database.session_factory()() as writer:
+        old, new = api_keys.rotate_key(
+            driver_connection(writer),
+            company_id,
+            key_id,
+            auth.hash_api_key(key),
+            overlap_seconds=hours * 3600,
+        )
+        writer.commit()
+    auth.key_cache(current_app).clear()
+    return _key_issued(company_id, key, new, replaces=_until(old))
+
+
+def _until(key: api_keys.ApiKeyRecord) -> str:
+    return f"{key.id} works until {when(key.expires_at)}"
+
+
+@blp.post("/companies/<uuid:company_id>/keys/<uuid:key_id>/revoke")
+def revoke_key(company_id: uuid.UUID, key_id: uuid.UUID) -> ResponseReturnValue:
+    """Revoke a key now: 401 at once on this process, within 5 s on the others."""
+    with database.session_factory()() as writer:
+        api_keys.revoke_key(driver_connection(writer), company_id, key_id, keep_one_active=False)
+        writer.commit()
+    auth.key_cache(current_app).clear()
+    flash(f"Revoked API key {key_id}.")
+    return _back(url_for(".company", company_id=company_id) + "#keys-title")
 
 
 @blp.post("/companies/<uuid:company_id>/tasks/<uuid:task_id>/retry")

@@ -10,7 +10,7 @@ the sweep takes back a lease whose holder has no row once its `locked_at` is old
 stale window, so their long tasks would be taken over. Stop the old workers first.
 
 Revision ID: 0013
-Revises: 0011
+Revises: 0012
 Create Date: 2026-12-05
 """
 
