@@ -14,10 +14,9 @@
 On a live system: run it with the workers stopped (a worker of the previous release reads
 `claim_cursor`, which is gone). CREATE FUNCTION and CREATE SEQUENCE take no lock on `tasks`.
 
-`db/sql/claim.sql` is the functions' live text. A later revision that changes it must first
-copy the text this revision loads into this file, so that an upgrade through 0011 still
-creates what 0011 created (tests/test_migrations.py compares the functions after `upgrade
-head` with the file).
+The functions' text as this revision created them is `0011_claim.sql` beside this file
+(`db/sql/claim.sql` is the live text, which migration 0015 changed): an upgrade through 0011
+creates what 0011 created, and a downgrade from 0015 restores it.
 
 Revision ID: 0011
 Revises: 0010
@@ -37,7 +36,7 @@ down_revision: str | None = "0010"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-CLAIM_SQL = Path(__file__).resolve().parents[2] / "db" / "sql" / "claim.sql"
+CLAIM_SQL = Path(__file__).resolve().with_name("0011_claim.sql")
 
 
 def upgrade() -> None:
