@@ -15,20 +15,20 @@ drains as many jobs of a no-op entrypoint, with and without the same holder.
 
 `spiral`: creates offered at a fixed rate (`--rate` a second, one task a transaction, the
 API's own insert statement `db.queue.create_task` with its NOTIFY, round-robin over
-`--spiral-companies` companies) to `--concurrency` children running noop tasks. After
-`--warmup` seconds an analytics session starts: a REPEATABLE READ transaction that runs an
-aggregate over `tasks` and then stays open until `--analytics-seconds` have passed (as a
-query of that length would), then the next one at once, back to back, for `--pressure`
-seconds; then the analytics stop, and the creates go on for at most `--recovery` seconds.
-Every `--interval` seconds a row: the backlog (unfinished tasks: pending and processing;
-pgqueuer: rows of its queue table), the dead tuples of the queue's tables
-(`pg_stat_user_tables.n_dead_tup`: fairq `tasks`, `company_queues`, `company_backlogs`;
-pgqueuer its queue, log and statistics tables), claim p50 and p99 over the interval (fairq:
-the worker's `claim_duration_seconds` histogram, interpolated in its buckets as Prometheus'
-`histogram_quantile` does; pgqueuer: each `dequeue` call timed in its worker), creates
-accepted and tasks completed a second. Then the time to recover: from the end of the
-analytics until the backlog is back at its healthy level (the highest backlog sampled each
-second before the analytics started), or `not recovered`.
+`--spiral-companies` companies, from `--clients` threads) to `--concurrency` children
+running noop tasks. After `--warmup` seconds an analytics session starts: a REPEATABLE READ
+transaction that runs an aggregate over `tasks` and then stays open until
+`--analytics-seconds` have passed (as a query of that length would), then the next one at
+once, back to back, for `--pressure` seconds; then the analytics stop, and the creates go on
+for at most `--recovery` seconds. Every `--interval` seconds a row: the backlog (unfinished
+tasks: pending and processing; pgqueuer: rows of its queue table), the dead tuples of the
+queue's tables (`pg_stat_user_tables.n_dead_tup`: fairq `tasks`, `company_queues`,
+`company_backlogs`; pgqueuer its queue, log and statistics tables), claim p50 and p99 over
+the interval (fairq: the worker's `claim_duration_seconds` histogram, interpolated in its
+buckets as Prometheus' `histogram_quantile` does; pgqueuer: each `dequeue` call timed in its
+worker), creates accepted and tasks completed a second. Then the time to recover: from the
+end of the analytics until the backlog is back at its healthy level (the highest backlog
+sampled each second before the analytics started), or `not recovered`.
 
 PostgreSQL: `--database-url`, else an embedded PostgreSQL 16 with its data in
 `.pgdata/bench-pressure` (autovacuum on, durable commits), stopped at the end; nothing else
@@ -185,58 +185,78 @@ def drain(
 # -- mode spiral ---------------------------------------------------------------------------
 
 
-class Creator(threading.Thread):
-    """Offers creates at `rate` a second on a schedule of its own; counts the accepted ones.
+class Creator:
+    """Offers creates at `rate` a second from `clients` threads; counts the accepted ones.
 
-    One create a transaction, round-robin over `companies` (fairq) or pgqueuer's enqueue
-    (`pgqueuer`). Behind schedule it does not skip: what it could not send in time is
-    counted as not accepted (`offered` - `accepted`).
+    Each thread has a connection and a schedule of its own (`rate / clients` a second), one
+    create a transaction, round-robin over `companies` (fairq: `db.queue.create_task`, the
+    API's statement with its NOTIFY) or pgqueuer's own enqueue (its log row, its trigger's
+    NOTIFY). Behind schedule a thread does not skip: what it could not send in time is not
+    accepted (offered - `accepted`).
     """
 
-    def __init__(self, dsn: str, rate: float, companies: Sequence[str], pgqueuer: bool) -> None:
-        super().__init__(daemon=True)
+    def __init__(
+        self, dsn: str, rate: float, companies: Sequence[str], pgqueuer: bool, clients: int
+    ) -> None:
         self._dsn = dsn
-        self._rate = rate
+        self._rate = rate / clients
         self._companies = [uuid.UUID(c) for c in companies]
         self._pgqueuer = pgqueuer
-        self.accepted = 0
+        self._counts = [0] * clients
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)
+        ]
         self.stop = threading.Event()
 
-    def run(self) -> None:
+    @property
+    def accepted(self) -> int:
+        """Creates committed so far."""
+        return sum(self._counts)
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def join(self) -> None:
+        for thread in self._threads:
+            thread.join()
+
+    def _run(self, index: int) -> None:
         if self._pgqueuer:
-            asyncio.run(self._run_pgqueuer())
+            asyncio.run(self._run_pgqueuer(index))
             return
         with psycopg.connect(
             self._dsn, autocommit=True, application_name="fairq-bench-create"
         ) as conn:
-            for n in self._schedule():
+            for n in self._schedule(index):
                 queue.create_task(
                     conn,
-                    company_id=self._companies[n % len(self._companies)],
+                    company_id=self._companies[
+                        (n * len(self._counts) + index) % len(self._companies)
+                    ],
                     type="noop",
                     payload={},
                     notify_channel=NOTIFY_CHANNEL,
                 )
-                self.accepted += 1
+                self._counts[index] += 1
 
-    async def _run_pgqueuer(self) -> None:
-        # pgqueuer's own enqueue (its log row, its trigger's NOTIFY).
+    async def _run_pgqueuer(self, index: int) -> None:
         queries, close = await throughput._pgqueuer_queries(self._dsn, "asyncpg")
         try:
-            for _ in self._schedule():
+            for _ in self._schedule(index):
                 await queries.enqueue(["noop"], [None], [0])
-                self.accepted += 1
+                self._counts[index] += 1
         finally:
             await close()
 
-    def _schedule(self) -> Iterator[int]:
-        """Yield the number of each create at its due time, until `stop`."""
+    def _schedule(self, index: int) -> Iterator[int]:
+        """Yield the number of each of this thread's creates at its due time, until `stop`."""
         start = time.monotonic()
         while not self.stop.is_set():
-            wait = start + self.accepted / self._rate - time.monotonic()
+            wait = start + self._counts[index] / self._rate - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
-            yield self.accepted
+            yield self._counts[index]
 
 
 class Analytics(threading.Thread):
@@ -400,15 +420,14 @@ def run_spiral_side(url: str, args: argparse.Namespace, tmp: Path, pgqueuer: boo
             asyncio.run(throughput._pgqueuer_seed(dsn, args.pgqueuer_driver, 0))
         with workers(url, args, workdir, pgqueuer) as (claims, completed):
             readings = Readings(dsn, claims, completed)
-            creator = Creator(dsn, args.rate, companies, pgqueuer)
+            creator = Creator(dsn, args.rate, companies, pgqueuer, args.clients)
             analytics = Analytics(dsn, args.analytics_seconds)
             try:
                 return spiral(side, args, readings, creator, analytics)
             finally:
                 creator.stop.set()
                 analytics.stop.set()
-                if creator.is_alive():
-                    creator.join()
+                creator.join()
                 if analytics.is_alive():
                     analytics.join()
                 readings.close()
@@ -636,6 +655,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--recovery", type=float, default=120.0, help="spiral: seconds at most")
     parser.add_argument("--interval", type=float, default=10.0, help="spiral: seconds a row")
     parser.add_argument("--spiral-companies", type=int, default=50)
+    parser.add_argument("--clients", type=int, default=4, help="spiral: creating threads")
     parser.add_argument("--no-pgqueuer", action="store_true", help="fairq only")
     parser.add_argument("--no-checkpoint", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--pgqueuer-worker", action="store_true", help=argparse.SUPPRESS)
