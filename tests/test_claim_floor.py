@@ -9,8 +9,10 @@ every task claimed before it.
 from __future__ import annotations
 
 import datetime as dt
+import re
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -169,3 +171,27 @@ def test_while_a_snapshot_is_held_a_claim_reads_the_pending_index_from_the_floor
         holder.rollback()
     assert with_floor < 400, with_floor
     assert without_floor > 1500, without_floor
+
+
+FLOOR_SQL = Path(__file__).resolve().parent.parent / "db" / "sql" / "claim_floor.sql"
+
+
+def test_the_pending_triggers_of_a_migrated_database_are_those_of_db_sql_claim_floor_sql(
+    fresh_engine: Engine,
+) -> None:
+    """Migration 0015 loads db/sql/claim_floor.sql: `upgrade head` leaves its functions as
+    written."""
+    written = dict(
+        re.findall(
+            r"CREATE OR REPLACE FUNCTION (\w+)\(.*?AS \$\$(.*?)\$\$;", FLOOR_SQL.read_text(), re.S
+        )
+    )
+    assert set(written) == {"fairq_note_pending_inserted", "fairq_note_pending_updated"}
+    with fresh_engine.connect() as conn:
+        loaded: dict[str, str] = dict(
+            conn.execute(
+                text("SELECT proname, prosrc FROM pg_proc WHERE proname = ANY(:names)"),
+                {"names": list(written)},
+            ).all()
+        )
+    assert loaded == written
