@@ -692,22 +692,29 @@ def _unzip(leases: Sequence[Lease]) -> dict[str, list[uuid.UUID]]:
 
 
 # The fenced statements over a set of leases match `t.id = ANY(ids) AND t.lease_token =
-# ANY(tokens)`: primary-key probes, whatever the plan. A join with unnest(ids, tokens), once
+# ANY(tokens)`: primary-key probes (with `_PROCESSING` below). A join with unnest(ids, tokens), once
 # the prepared statement had a generic plan and statistics counted few processing rows, could
 # scan the processing index once per lease (a completion of 100 tasks of 50 companies took
 # 2.9-3.1 ms instead of 1.9-2.0; decision 0002). Pairs need no join: a lease token is made
 # for one task's attempt only (gen_random_uuid()), so a task whose token is among ours is
 # one whose lease we hold.
 _HELD = "t.id = ANY(CAST({ids} AS uuid[])) AND t.lease_token = ANY(CAST({tokens} AS uuid[]))"
+# The rows' status, not in the words of the processing indexes' predicate: with the literal
+# `t.status = 'processing'` the planner scanned a processing index and filtered it by id, and
+# while a snapshot held elsewhere keeps the entries of every task finished since, that scan
+# grew with them (decision 0012). status is NOT NULL: coalesce changes no result.
+_PROCESSING = "coalesce(t.status, '') = 'processing'"
 
 _HEARTBEAT = text(
     """
 UPDATE tasks t
 SET locked_at = now()
 -- Fenced: a lease another worker took over is theirs now; do not extend it.
-WHERE {held} AND t.status = 'processing'
+WHERE {held} AND {processing}
 RETURNING t.id
-""".replace("{held}", _HELD.format(ids=":ids", tokens=":tokens"))
+""".replace("{held}", _HELD.format(ids=":ids", tokens=":tokens")).replace(
+        "{processing}", _PROCESSING
+    )
 )
 
 
@@ -730,9 +737,11 @@ _COMPLETE = """
 UPDATE tasks t
 SET status = 'completed', finished_at = now(), updated_at = now(), last_error = NULL,
     lease_token = NULL, locked_by = NULL, locked_at = NULL
-WHERE {held} AND t.status = 'processing'
+WHERE {held} AND {processing}
 RETURNING t.id
-""".replace("{held}", _HELD.format(ids="%(ids)b", tokens="%(tokens)b"))
+""".replace("{held}", _HELD.format(ids="%(ids)b", tokens="%(tokens)b")).replace(
+    "{processing}", _PROCESSING
+)
 # The same with each task's result, JSON text parsed by the server (NULL: none), found by the
 # task's place in `ids`. A statement of its own, so a batch without results (noop, most
 # handlers) sends and plans nothing more.
@@ -742,9 +751,11 @@ SET status = 'completed', finished_at = now(), updated_at = now(), last_error = 
     lease_token = NULL, locked_by = NULL, locked_at = NULL,
     result = CAST((CAST(%(results)b AS text[]))[array_position(CAST(%(ids)b AS uuid[]), t.id)]
                   AS jsonb)
-WHERE {held} AND t.status = 'processing'
+WHERE {held} AND {processing}
 RETURNING t.id
-""".replace("{held}", _HELD.format(ids="%(ids)b", tokens="%(tokens)b"))
+""".replace("{held}", _HELD.format(ids="%(ids)b", tokens="%(tokens)b")).replace(
+    "{processing}", _PROCESSING
+)
 
 
 def complete_tasks(
@@ -840,9 +851,11 @@ SET status = 'pending',
     updated_at = now(),
     lease_token = NULL, locked_by = NULL, locked_at = NULL
     -- run_after untouched: a released task keeps its place in line.
-WHERE {held} AND t.status = 'processing'
+WHERE {held} AND {processing}
 RETURNING t.id
-""".replace("{held}", _HELD.format(ids=":ids", tokens=":tokens"))
+""".replace("{held}", _HELD.format(ids=":ids", tokens=":tokens")).replace(
+        "{processing}", _PROCESSING
+    )
 )
 
 

@@ -195,3 +195,34 @@ def test_the_pending_triggers_of_a_migrated_database_are_those_of_db_sql_claim_f
             ).all()
         )
     assert loaded == written
+
+
+def _processing_entries_read(session: Session) -> int:
+    """Entries of the two processing indexes this transaction has read so far."""
+    read: int = session.execute(
+        text(
+            "SELECT pg_stat_get_xact_tuples_returned('ix_tasks_processing_locked_at'::regclass)"
+            " + pg_stat_get_xact_tuples_returned("
+            "'ix_tasks_processing_company_locked_at'::regclass)"
+        )
+    ).scalar_one()
+    return read
+
+
+def test_a_completion_finds_its_leases_by_id_not_through_a_processing_index(
+    fresh_engine: Engine, session: Session
+) -> None:
+    """With the processing indexes' literal predicate in its WHERE, the planner scanned one and
+    filtered it by id: a scan that grew with every task finished while a snapshot was held."""
+    company = insert_company(fresh_engine).id
+    insert_tasks(fresh_engine, company, 300)
+    queue.complete_tasks(session, [t.lease for t in claim(session, 100)])
+    session.commit()
+    leases = [t.lease for t in claim(session, 100)]
+    session.execute(text("ANALYZE tasks"))
+    session.commit()
+    before = _processing_entries_read(session)
+    assert len(queue.complete_tasks(session, leases)) == 100
+    assert queue.heartbeat(session, leases) == set()
+    assert _processing_entries_read(session) == before
+    session.commit()
