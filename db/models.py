@@ -191,6 +191,11 @@ class CompanyQueue(Base):
     # Copy of companies.paused: a paused company is never ready, and the promotion's index
     # leaves it out (migration 0007).
     paused: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    # The claim floor (migration 0015, db/sql/tasks.sql and claim.sql): no pending task of the
+    # company has a (run_after, id) below it; None: none known, the claim reads from the start.
+    # The claim raises it past what it claimed, under the wake-up lock; triggers lower it.
+    claim_floor_at: Mapped[dt.datetime | None] = mapped_column(Timestamp)
+    claim_floor_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
 
     __table_args__ = (
         # The ring of ready companies, walked from the claim cursor.

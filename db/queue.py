@@ -596,6 +596,11 @@ def _unzip(leases: Sequence[Lease]) -> dict[str, list[uuid.UUID]]:
 # for one task's attempt only (gen_random_uuid()), so a task whose token is among ours is
 # one whose lease we hold.
 _HELD = "t.id = ANY(CAST({ids} AS uuid[])) AND t.lease_token = ANY(CAST({tokens} AS uuid[]))"
+# The rows' status, not in the words of the processing indexes' predicate: with the literal
+# `t.status = 'processing'` the planner scanned a processing index and filtered it by id, and
+# while a snapshot held elsewhere keeps the entries of every task finished since, that scan
+# grew with them (decision 0012). status is NOT NULL: coalesce changes no result.
+_PROCESSING = "coalesce(t.status, '') = 'processing'"
 
 # Every finalizer is fenced (design §1.4): it matches only while the caller still holds the
 # lease. A miss means the lease was lost; nothing changes and the caller counts it.
@@ -604,9 +609,11 @@ _COMPLETE = """
 UPDATE tasks t
 SET status = 'completed', finished_at = now(), updated_at = now(), last_error = NULL,
     lease_token = NULL, locked_by = NULL, locked_at = NULL
-WHERE {held} AND t.status = 'processing'
+WHERE {held} AND {processing}
 RETURNING t.id
-""".replace("{held}", _HELD.format(ids="%(ids)b", tokens="%(tokens)b"))
+""".replace("{processing}", _PROCESSING).replace(
+    "{held}", _HELD.format(ids="%(ids)b", tokens="%(tokens)b")
+)
 # The same with each task's result, JSON text parsed by the server (NULL: none), found by the
 # task's place in `ids`. A statement of its own, so a batch without results (noop, most
 # handlers) sends and plans nothing more.
@@ -616,9 +623,11 @@ SET status = 'completed', finished_at = now(), updated_at = now(), last_error = 
     lease_token = NULL, locked_by = NULL, locked_at = NULL,
     result = CAST((CAST(%(results)b AS text[]))[array_position(CAST(%(ids)b AS uuid[]), t.id)]
                   AS jsonb)
-WHERE {held} AND t.status = 'processing'
+WHERE {held} AND {processing}
 RETURNING t.id
-""".replace("{held}", _HELD.format(ids="%(ids)b", tokens="%(tokens)b"))
+""".replace("{processing}", _PROCESSING).replace(
+    "{held}", _HELD.format(ids="%(ids)b", tokens="%(tokens)b")
+)
 
 
 def complete_tasks(
@@ -714,9 +723,11 @@ SET status = 'pending',
     updated_at = now(),
     lease_token = NULL, locked_by = NULL, locked_at = NULL
     -- run_after untouched: a released task keeps its place in line.
-WHERE {held} AND t.status = 'processing'
+WHERE {held} AND {processing}
 RETURNING t.id
-""".replace("{held}", _HELD.format(ids=":ids", tokens=":tokens"))
+""".replace("{processing}", _PROCESSING).replace(
+        "{held}", _HELD.format(ids=":ids", tokens=":tokens")
+    )
 )
 
 

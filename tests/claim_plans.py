@@ -32,7 +32,7 @@ NO_AUTO_EXPLAIN = (
 # The claim's statements, told apart by a piece of their text (db/sql/claim.sql).
 CONTENDERS = "WITH ring AS"
 CLAIM = "WITH allotted AS"
-SETTLE = "SET due_at = d.due_at"
+SETTLE = "SET due_at = CASE WHEN s.short THEN d.due_at"
 
 
 def plan_nodes(
@@ -181,11 +181,20 @@ def settle_statement(session: Session) -> str:
     source = session.execute(
         text("SELECT prosrc FROM pg_proc WHERE oid = 'fairq_claim'::regproc")
     ).scalar_one()
-    found = re.search(r"UPDATE company_queues q\s+SET due_at = d\.due_at.*?;", source, re.DOTALL)
+    found = re.search(
+        r"UPDATE company_queues q\s+SET due_at = CASE WHEN s\.short THEN d\.due_at.*?;",
+        source,
+        re.DOTALL,
+    )
     assert found, "the claim's settle moved; update the test"
     statement = found.group(0)
     assert statement.count("ANY(settled)") == 1, statement
+    assert statement.count("ANY(exhausted)") == 1, statement
     assert statement.count("now_ts") == 1, statement
-    return statement.replace("ANY(settled)", "ANY(CAST(%(company_ids)s AS uuid[]))").replace(
-        "now_ts", "clock_timestamp()"
+    # Every company given ran short (the settle proper, not a floor's raise alone).
+    companies = "ANY(CAST(%(company_ids)s AS uuid[]))"
+    return (
+        statement.replace("ANY(settled)", companies)
+        .replace("ANY(exhausted)", companies)
+        .replace("now_ts", "clock_timestamp()")
     )

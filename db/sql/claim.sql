@@ -142,6 +142,8 @@ DECLARE
     limited int[];
     got bigint;
     settled uuid[];
+    -- Companies that got tasks: their claim floor moves past them (below).
+    served uuid[] := '{}';
     short uuid[];
     -- The clock, read after each wait: statement_timestamp() is the caller's statement's
     -- start, before the waits for the locks above.
@@ -194,13 +196,15 @@ BEGIN
                 -- promoted at its end), then the lap's start. Each part is an index range in
                 -- order; the Append reads them one after the other only as far as the LIMIT
                 -- needs.
-                (SELECT r.company_id, r.ring_position, 1 AS lap, r.weight, r.max_in_flight
+                (SELECT r.company_id, r.ring_position, 1 AS lap, r.weight, r.max_in_flight,
+                        r.claim_floor_at, r.claim_floor_id
                  FROM company_queues r
                  WHERE r.ready AND NOT r.paused
                    AND r.ring_position >= at_position + CASE WHEN at_credit > 0 THEN 0 ELSE 1 END
                  ORDER BY r.ring_position)
                 UNION ALL
-                (SELECT r.company_id, r.ring_position, 2 AS lap, r.weight, r.max_in_flight
+                (SELECT r.company_id, r.ring_position, 2 AS lap, r.weight, r.max_in_flight,
+                        r.claim_floor_at, r.claim_floor_id
                  FROM company_queues r
                  WHERE r.ready AND NOT r.paused
                    AND r.ring_position < at_position + CASE WHEN at_credit > 0 THEN 0 ELSE 1 END
@@ -208,7 +212,7 @@ BEGIN
             ),
             headed AS (
                 SELECT s.company_id, s.ring_position, s.lap, s.weight, s.max_in_flight,
-                       h.headroom
+                       s.claim_floor_at, s.claim_floor_id, h.headroom
                 FROM ring s
                 CROSS JOIN LATERAL (
                     -- How many more leases it may hold: counted only for a company with a
@@ -235,7 +239,9 @@ BEGIN
                    array_agg(ring_position ORDER BY lap, ring_position) AS positions,
                    array_agg(weight ORDER BY lap, ring_position) AS weights,
                    array_agg(headroom ORDER BY lap, ring_position) AS headrooms,
-                   array_agg(max_in_flight ORDER BY lap, ring_position) AS limits
+                   array_agg(max_in_flight ORDER BY lap, ring_position) AS limits,
+                   array_agg(claim_floor_at ORDER BY lap, ring_position) AS floor_ats,
+                   array_agg(claim_floor_id ORDER BY lap, ring_position) AS floor_ids
             INTO contenders
             FROM headed;
             IF contenders.ids IS NOT NULL THEN
@@ -278,6 +284,8 @@ BEGIN
                 -- weight; for a company with a limit, clipped to what it may hold now: this
                 -- statement's snapshot comes after its lock, so no claim of it is in flight.
                 SELECT s.company_id, s.turn, s.first_turn, s.weight,
+                       coalesce(s.floor_at, '-infinity') AS floor_at,
+                       coalesce(s.floor_id, '00000000-0000-0000-0000-000000000000') AS floor_id,
                        CASE WHEN s.max_in_flight IS NULL THEN s.n
                             WHEN NOT ((hashtext(s.company_id::text) & 63) = ANY(held)) THEN 0
                             ELSE greatest(0, least(s.n, s.max_in_flight - (
@@ -289,16 +297,21 @@ BEGIN
                                     LIMIT s.max_in_flight) held_leases)))
                        END AS n
                 FROM unnest(contenders.ids, share.tasks, share.turns, share.first_turns,
-                            contenders.weights, contenders.limits)
-                     AS s(company_id, n, turn, first_turn, weight, max_in_flight)
+                            contenders.weights, contenders.limits, contenders.floor_ats,
+                            contenders.floor_ids)
+                     AS s(company_id, n, turn, first_turn, weight, max_in_flight, floor_at,
+                          floor_id)
                 WHERE s.n > 0
             ),
             locked AS (
                 -- Each company's longest-waiting runnable tasks, locked: a range scan of
-                -- ix_tasks_pending_company_run_after that stops after its share; rows not
-                -- yet due are never read; id breaks ties. SKIP LOCKED: a row another
-                -- claimer or the API holds is passed over. READ COMMITTED re-checks the
-                -- quals on the newest version of a row changed after the snapshot.
+                -- ix_tasks_pending_company_run_after from the company's claim floor (no
+                -- pending task lies below it: the entries of tasks claimed before are not
+                -- read again, even while a held snapshot keeps them in the index) that
+                -- stops after its share; rows not yet due are never read; id breaks ties.
+                -- SKIP LOCKED: a row another claimer or the API holds is passed over. READ
+                -- COMMITTED re-checks the quals on the newest version of a row changed
+                -- after the snapshot.
                 SELECT x.id, x.run_after, a.company_id, a.turn, a.first_turn, a.weight
                 FROM allotted a
                 CROSS JOIN LATERAL (
@@ -306,6 +319,7 @@ BEGIN
                     FROM tasks t
                     WHERE t.company_id = a.company_id
                       AND fairq_runnable(t, now_ts)
+                      AND (t.run_after, t.id) >= (a.floor_at, a.floor_id)
                     ORDER BY t.run_after, t.id
                     LIMIT a.n
                     FOR UPDATE OF t SKIP LOCKED
@@ -339,6 +353,14 @@ BEGIN
                      c.turn, c.run_after, c.id;
         GET DIAGNOSTICS got = ROW_COUNT;
         claimed := claimed + got;
+        -- A company served n tasks has its floor raised with probability n / 32: about one
+        -- raise per 32 tasks claimed of it, so a scan reads about 32 entries of claimed
+        -- tasks at most, and the company's row gains one version per 32 tasks, not one a
+        -- claim (each is read by every claim's ring while a snapshot is held).
+        served := served || ARRAY(SELECT s.company_id
+                                  FROM unnest(contenders.ids, share.tasks) AS s(company_id, n)
+                                  WHERE s.n > 0 AND random() * 32 < s.n
+                                    AND NOT (s.company_id = ANY(served)));
         IF got < (SELECT sum(x) FROM unnest(share.tasks) x) THEN
             -- Fewer than allotted: those companies had less runnable work than their share
             -- (or were at their limit); the rest of the batch goes to the next companies.
@@ -369,33 +391,47 @@ BEGIN
         -- Each round claims a task or excludes a company: the loop ends.
     END LOOP;
 
-    IF cardinality(exhausted) > 0 THEN
-        -- Settle the companies that ran short, each under its wake-up lock, tried and
-        -- never waited for: a writer holding it is making a task pending, so the company
-        -- stays ready.
+    IF cardinality(served) > 0 OR cardinality(exhausted) > 0 THEN
+        -- Settle the companies that ran short, and raise the claim floor of every company
+        -- served, each under its wake-up lock, tried and never waited for: a writer holding
+        -- it is making a task pending (below the floor, maybe), so the company stays as it
+        -- is, ready and with its floor, until a later claim.
         settled := ARRAY(
             SELECT e.company_id
-            FROM unnest(exhausted) e(company_id)
-            JOIN (SELECT DISTINCT hashtext(x::text) & 63 AS bucket FROM unnest(exhausted) x) b
+            FROM (SELECT DISTINCT x AS company_id FROM unnest(served || exhausted) x) e
+            JOIN (SELECT DISTINCT hashtext(x::text) & 63 AS bucket
+                  FROM unnest(served || exhausted) x) b
               ON b.bucket = hashtext(e.company_id::text) & 63
             WHERE pg_try_advisory_xact_lock(1718712171, b.bucket));
         now_ts := clock_timestamp();
         -- A new statement, so a snapshot taken after the locks: it sees every task committed
-        -- by a writer that held one before us. A row another transaction holds (another
+        -- by a writer that held one before us, and the tasks other claimers hold but have
+        -- not committed are still pending in it. A row another transaction holds (another
         -- claimer's settle, a pause) is skipped and left as it is.
         UPDATE company_queues q
-        SET due_at = d.due_at,
+        SET due_at = CASE WHEN s.short THEN d.due_at ELSE q.due_at END,
             -- A company paused by plain SQL meanwhile stays out of the ring.
-            ready = coalesce(d.due_at <= now_ts, false) AND NOT q.paused
-        FROM (SELECT w.company_id FROM company_queues w
+            ready = CASE WHEN s.short THEN coalesce(d.due_at <= now_ts, false) AND NOT q.paused
+                         ELSE q.ready END,
+            -- The earliest pending task's place. None: a day before the end of time (a
+            -- value every client can read in any time zone), and the triggers lower it when
+            -- a task becomes pending (db/sql/claim_floor.sql).
+            claim_floor_at = coalesce(d.due_at, '9999-12-30 00:00:00+00'),
+            claim_floor_id = coalesce(d.id, 'ffffffff-ffff-ffff-ffff-ffffffffffff')
+        FROM (SELECT w.company_id, w.company_id = ANY(exhausted) AS short,
+                     coalesce(w.claim_floor_at, '-infinity') AS floor_at,
+                     coalesce(w.claim_floor_id, '00000000-0000-0000-0000-000000000000')
+                         AS floor_id
+              FROM company_queues w
               WHERE w.company_id = ANY(settled)
               FOR NO KEY UPDATE SKIP LOCKED) s
         LEFT JOIN LATERAL (
-            -- The earliest pending run_after, from the head of the company's pending range
+            -- The earliest pending task, from the company's claim floor in its pending range
             -- (ordered as ix_tasks_pending_company_run_after, which no other index is).
-            SELECT t.run_after AS due_at
+            SELECT t.run_after AS due_at, t.id
             FROM tasks t
             WHERE t.company_id = s.company_id AND t.status = 'pending'
+              AND (t.run_after, t.id) >= (s.floor_at, s.floor_id)
             ORDER BY t.run_after, t.id
             LIMIT 1
         ) d ON true

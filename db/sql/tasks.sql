@@ -51,11 +51,19 @@ $$;
 -- company's tasks after taking it, so a task whose transaction is still open is never missed.
 -- The UPDATE writes only when it lowers due_at: a busy company's creates never queue on its
 -- row.
+-- The same triggers keep the claim floor (decision 0012): `company_queues.(claim_floor_at,
+-- claim_floor_id)`, below which no pending task of the company lies (NULL: no floor). The
+-- claim scans the company's pending range from it and raises it under the wake-up lock taken
+-- exclusively (db/sql/claim.sql); these lower it, under the lock taken shared, whenever a
+-- task becomes pending below it, so the claimer either sees that task or the writer waits
+-- for its commit and lowers the floor it raised. A held snapshot elsewhere keeps the index
+-- entries of claimed tasks; the floor keeps claims from reading them again.
 CREATE OR REPLACE FUNCTION fairq_note_pending_inserted() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    -- Shared lock first, then the check: the claimer raises due_at only while holding the
-    -- lock exclusively, so it either sees this transaction's tasks or waits it out.
+    -- Shared lock first, then the check: the claimer raises due_at and the floor only while
+    -- holding the lock exclusively, so it either sees this transaction's tasks or waits it
+    -- out.
     PERFORM pg_advisory_xact_lock_shared(1718712171, n.bucket)
     FROM (SELECT DISTINCT hashtext(company_id::text) & 63 AS bucket
           FROM new_tasks WHERE status = 'pending') n;
@@ -66,12 +74,20 @@ BEGIN
         WHERE q.company_id IN (SELECT company_id FROM new_tasks WHERE status = 'pending')
         FOR SHARE;
     END IF;
+    -- Each company's first new pending task in claim order; writes only what it lowers.
     UPDATE company_queues q
-    SET due_at = n.due_at
-    FROM (SELECT company_id, min(run_after) AS due_at
-          FROM new_tasks WHERE status = 'pending' GROUP BY company_id) n
+    SET due_at = CASE WHEN q.due_at IS NULL OR q.due_at > n.run_after THEN n.run_after
+                      ELSE q.due_at END,
+        claim_floor_at = CASE WHEN (q.claim_floor_at, q.claim_floor_id) > (n.run_after, n.id)
+                              THEN n.run_after ELSE q.claim_floor_at END,
+        claim_floor_id = CASE WHEN (q.claim_floor_at, q.claim_floor_id) > (n.run_after, n.id)
+                              THEN n.id ELSE q.claim_floor_id END
+    FROM (SELECT DISTINCT ON (company_id) company_id, run_after, id
+          FROM new_tasks WHERE status = 'pending'
+          ORDER BY company_id, run_after, id) n
     WHERE q.company_id = n.company_id
-      AND (q.due_at IS NULL OR q.due_at > n.due_at);
+      AND (q.due_at IS NULL OR q.due_at > n.run_after
+           OR (q.claim_floor_at, q.claim_floor_id) > (n.run_after, n.id));
     RETURN NULL;
 END
 $$;
@@ -89,9 +105,15 @@ BEGIN
         PERFORM 1 FROM company_queues q WHERE q.company_id = NEW.company_id FOR SHARE;
     END IF;
     UPDATE company_queues q
-    SET due_at = NEW.run_after
+    SET due_at = CASE WHEN q.due_at IS NULL OR q.due_at > NEW.run_after THEN NEW.run_after
+                      ELSE q.due_at END,
+        claim_floor_at = CASE WHEN (q.claim_floor_at, q.claim_floor_id) > (NEW.run_after, NEW.id)
+                              THEN NEW.run_after ELSE q.claim_floor_at END,
+        claim_floor_id = CASE WHEN (q.claim_floor_at, q.claim_floor_id) > (NEW.run_after, NEW.id)
+                              THEN NEW.id ELSE q.claim_floor_id END
     WHERE q.company_id = NEW.company_id
-      AND (q.due_at IS NULL OR q.due_at > NEW.run_after);
+      AND (q.due_at IS NULL OR q.due_at > NEW.run_after
+           OR (q.claim_floor_at, q.claim_floor_id) > (NEW.run_after, NEW.id));
     RETURN NULL;
 END
 $$;

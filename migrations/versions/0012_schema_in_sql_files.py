@@ -2,8 +2,8 @@
 
 - `db/sql/*.sql` holds the text of every function and trigger the database runs, grouped by
   table (`tasks.sql`: what happens on INSERT, UPDATE, DELETE and TRUNCATE of `tasks`;
-  `companies.sql`; `claim.sql`); this revision runs the three files, and is the one that reads
-  them (db/sql/README.md: changing a file needs a migration that re-runs it).
+  `companies.sql`; `claim.sql`); this revision ran the three files (since 0015, its copies of
+  `tasks.sql` and `claim.sql` beside it; db/sql/README.md).
 - `fairq_runnable(task, as_of)`: a task a worker may claim at `as_of` (`pending` and due), a
   SQL function the planner inlines; the claim (`fairq_claim`) and the figures of runnable
   work call it, so their plans are those of the predicate written out.
@@ -32,9 +32,12 @@ down_revision: str | None = "0011"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
+# What this revision ran: `companies.sql` is still the live file; `tasks.sql` and `claim.sql`
+# as they were here, frozen when migration 0015 changed them (db/sql/README.md).
 SQL_FILES = [
-    Path(__file__).resolve().parents[2] / "db" / "sql" / name
-    for name in ("tasks.sql", "companies.sql", "claim.sql")
+    Path(__file__).with_name("0012_tasks.sql"),
+    Path(__file__).resolve().parents[2] / "db" / "sql" / "companies.sql",
+    Path(__file__).with_name("0012_claim.sql"),
 ]
 # The claim functions as 0011 created them, which call no fairq_runnable.
 CLAIM_SQL_0011 = Path(__file__).with_name("0011_claim_in_the_server.sql")
