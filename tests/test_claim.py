@@ -464,9 +464,9 @@ def test_claim_plan_reads_each_company_as_an_index_range_cut_at_its_share(
     # From the company's claim floor (decision 0012), up to the clock the claim read after its
     # waits (a PL/pgSQL variable): both bounds of the range are index conditions.
     assert re.fullmatch(
-        r"\(\(company_id = s\.company_id\) AND \(ROW\(run_after, id\) >= "
-        r"ROW\(COALESCE\(s\.floor_at, [^)]*\), COALESCE\(s\.floor_id, [^)]*\)\)\) AND "
-        r"\(run_after <= \$\d+\)\)",
+        r"\(\(company_id = s\.company_id\) AND \(run_after <= \$\d+\) AND "
+        r"\(ROW\(run_after, id\) >= "
+        r"ROW\(COALESCE\(s\.floor_at, [^)]*\), COALESCE\(s\.floor_id, [^)]*\)\)\)\)",
         node["Index Cond"],
     ), node["Index Cond"]
     # The range scan feeds the row locks and the share's LIMIT: it stops after the share.
