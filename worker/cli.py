@@ -3,8 +3,8 @@
 Flags mirror settings: each one overrides its environment variable and is validated the
 same way (`WorkerSettings.from_env`). Exit statuses: 0 stopped on request; 1 cannot start
 (metrics port taken, database error in `--once`); 2 invalid configuration (the message names
-the variable); 3 children could not boot; 4 `--once` gave up on a handler it could not stop
-at its task's timeout (that task is retried, the rest of its batch handed back).
+the variable); 3 children could not boot; 4 in `--once` a handler overran its task's deadline
+(`processing.timeouts`: that task timed out, the rest of its batch was handed back).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from worker import processing
 
 SETTINGS_ERROR_EXIT = 2
-# `--once` could not stop a handler at its timeout (`worker.child.HANDLER_STUCK` in a child).
+# In `--once` a handler overran its task's deadline (`worker.child.HANDLER_STUCK` in a child).
 HANDLER_STUCK_EXIT = 4
 
 

@@ -63,7 +63,9 @@ class _Hand:
 
     def __init__(self) -> None:
         self.busy = False  # holds a task whose handler started, or is about to
-        self.running: timeouts.Running | None = None  # the handler's call, while in it
+        # The handler's call while in it: (task, timeout, started, overrun_at), a plain tuple
+        # built per task on the hot path; the keeper makes a `timeouts.Running` of it.
+        self.running: tuple[queue.ClaimedTask, float, float, float] | None = None
         self.overran = False  # its handler overran: the keeper wrote its outcome
         self.lock = threading.Lock()
 
@@ -285,14 +287,14 @@ class ProcessingPass:
         """Write the timeout outcome of each handler past its deadline and the grace."""
         now = time.monotonic()  # read before `running`: see `_returned`
         for hand in self._hands:
-            running = hand.running
-            if running is None or now < running.overrun_at or hand.overran:
+            armed = hand.running
+            if armed is None or now < armed[3] or hand.overran:
                 continue
             with hand.lock:
-                if hand.running is not running:
+                if hand.running is not armed:
                     continue  # it returned meanwhile: its own thread writes its outcome
                 hand.overran = True
-            self._write_overrun(session, running)
+            self._write_overrun(session, timeouts.Running(*armed[:3]))
         if self._overruns and not self._reported:
             self._report_overrun(session)
 
@@ -652,8 +654,8 @@ class ProcessingPass:
     ) -> None:
         timeout = timeouts.timeout_of(task, task_type)
         started = time.monotonic()
-        running = timeouts.Running(task, timeout, started)
-        hand.running = running
+        armed = (task, timeout, started, started + timeout + timeouts.OVERRUN_GRACE_SECONDS)
+        hand.running = armed
         returned: JsonValue = None
         raised: Exception | None = None
         try:
@@ -672,7 +674,7 @@ class ProcessingPass:
         except Exception as exc:
             raised = exc
         finally:
-            overran = self._returned(hand, running)
+            overran = self._returned(hand, armed[3])
         if overran:
             # The lease keeper wrote this task's outcome and what else the pass owed: stop.
             self._overrun_written.wait()
@@ -684,18 +686,20 @@ class ProcessingPass:
             else:
                 self._complete_with_result(session, task, lease, returned, seconds)
             return
-        self._finalize_failure(session, running, raised=raised, seconds=seconds)
+        self._finalize_failure(
+            session, timeouts.Running(task, timeout, started), raised=raised, seconds=seconds
+        )
 
     @staticmethod
-    def _returned(hand: _Hand, running: timeouts.Running) -> bool:
+    def _returned(hand: _Hand, overrun_at: float) -> bool:
         """Leave the handler's call; tell whether it overran (its outcome written already).
 
-        No lock in time, where most handlers return: the keeper acts on a call only if it
-        read it running at a time past `overrun_at`, and this clock is read after the call
-        was cleared, so later still.
+        No lock in time (before `overrun_at`), where most handlers return: the keeper acts on
+        a call only if it read it running at a time past `overrun_at`, and this clock is read
+        after the call was cleared, so later still.
         """
         hand.running = None
-        if time.monotonic() < running.overrun_at:
+        if time.monotonic() < overrun_at:
             return False
         with hand.lock:  # waits for a keeper deciding right now
             return hand.overran
