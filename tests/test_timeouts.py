@@ -376,9 +376,10 @@ def timeout_worker(tmp_path: Path, fresh_db_url: str) -> Iterator[RunningSupervi
 
 @contextlib.contextmanager
 def started_timeout_worker(
-    tmp_path: Path, database_url: str, *flags: str
+    tmp_path: Path, database_url: str, *flags: str, **env: str
 ) -> Iterator[RunningSupervisor]:
-    """`timeout_worker`'s supervisor, with these command-line flags added; killed after."""
+    """`timeout_worker`'s supervisor, with these command-line flags and `env` added; killed
+    after."""
     workdir = tmp_path / "supervisor"
     workdir.mkdir()
     environment = worker_environment(
@@ -387,6 +388,7 @@ def started_timeout_worker(
             "PROMETHEUS_MULTIPROC_DIR": str(workdir / "prometheus"),
             **harness.FAST_ENV,
             "STALE_AFTER_SECONDS": "60",
+            **env,
         }
     )
     with (workdir / "stdout.log").open("wb") as out, (workdir / "stderr.log").open("wb") as err:

@@ -661,3 +661,37 @@ def test_a_child_of_four_threads_exits_once_its_siblings_returned_and_no_task_is
     assert sup.metrics()["worker_child_timeouts_total"] == 0
     sup.send(signal.SIGTERM)
     assert sup.wait(15) == 0
+
+
+@pytest.mark.slow
+def test_a_child_frozen_by_a_handler_is_killed_and_its_siblings_tasks_come_back_counted(
+    tmp_path: Path, fresh_db_url: str, fresh_engine: Engine
+) -> None:
+    company = insert_company(fresh_engine).id
+    # Claimed first, so running when the other freezes the child: it started, its attempt counts.
+    [sibling] = insert_tasks(
+        fresh_engine, company, task_type="sleep", payload={"seconds": 1}, newest_age_seconds=9
+    )
+    [frozen] = insert_tasks(fresh_engine, company, task_type="hold_gil", newest_age_seconds=8)
+    set_timeout(sessionmaker(fresh_engine), [frozen], 1)
+    with started_timeout_worker(
+        tmp_path, fresh_db_url, "--threads", "2",
+        WORKER_CHILD_TIMEOUT_SECONDS="2", STALE_AFTER_SECONDS="4",
+    ) as sup:  # fmt: skip
+        (first_child,) = sup.wait_ready(1)
+
+        # Its keeper cannot write the overrun (no thread of it runs): the supervisor kills
+        # it as hung, and the sweep takes both leases back once its row is stale.
+        wait_for(
+            lambda: harness.status_counts(fresh_engine) == {"completed": 2},
+            40,
+            f"both tasks to complete:\n{sup.log()[-4000:]}",
+        )
+
+        # Both ran twice: the sibling had started, so its first attempt counts.
+        assert harness.task_row(fresh_engine, frozen)["attempts"] == 2
+        assert harness.task_row(fresh_engine, sibling)["attempts"] == 2
+        assert f"child {first_child} gave no sign of life" in sup.log()
+        assert sup.metrics()["worker_child_timeouts_total"] == 1
+        sup.send(signal.SIGTERM)
+        assert sup.wait(15) == 0

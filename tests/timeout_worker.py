@@ -7,6 +7,8 @@ and returns `{"attempt": n}` on later ones.
 - `block_in_c`: blocks in C code that nothing interrupts, the GIL released, as a native
   library's deadlock would: it locks a pthread mutex it already holds.
 - `spin`: a Python loop that never ends and never looks at its deadline.
+- `hold_gil`: sleeps 30 s in C holding the GIL, as a runaway extension would: every thread of
+  its process stops, the lease keeper's and the alive signal's included.
 """
 
 from __future__ import annotations
@@ -39,9 +41,17 @@ def spin(task: TaskContext) -> dict[str, int]:
     return {"attempt": task.attempt}
 
 
+def hold_gil(task: TaskContext) -> dict[str, int]:
+    """Sleep 30 s in C holding the GIL on the first attempt; return on later ones."""
+    if task.attempt == 1:
+        ctypes.PyDLL(None).sleep(30)  # a PyDLL call keeps the GIL
+    return {"attempt": task.attempt}
+
+
 TYPES = (
     TaskType("block_in_c", "Blocks in C on its first attempt.", NoopPayload, block_in_c),
     TaskType("spin", "Loops in Python on its first attempt.", NoopPayload, spin),
+    TaskType("hold_gil", "Holds the GIL in C on its first attempt.", NoopPayload, hold_gil),
 )
 
 if __name__ == "__main__":
