@@ -435,6 +435,8 @@ def test_a_child_whose_handler_overruns_is_replaced_and_no_task_is_lost(
     assert [harness.task_row(fresh_engine, t)["attempts"] for t in before + after] == [1] * 6
     (second_child,) = sup.wait_children(1)
     assert second_child != first_child
+    with fresh_engine.connect() as conn:  # it held no lease: it deleted its row as it exited
+        assert first_child not in conn.execute(text("SELECT pid FROM workers")).scalars().all()
     log = sup.log()
     assert f"child {first_child} exited: task {blocked} (type {blocking}) was still running" in log
     assert "past its timeout of 1s and the grace" in log
@@ -528,15 +530,27 @@ def quiet_processing_logs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
 
 def test_a_timed_out_attempt_is_retried_with_backoff_and_fails_once_attempts_are_used_up() -> None:
     retry = outcome.timed_out(
-        timeout=1, ran=1.0123, detail="stopped", attempt=1, max_attempts=3, backoff=lambda a: 1.5
+        timeout=1,
+        ran=1.0123,
+        detail="TimeoutError: slept 1 s of 3 s",
+        attempt=1,
+        max_attempts=3,
+        backoff=lambda a: 1.5,
     )
     assert retry == outcome.Retry(
-        1.5, "timed out after 1.01 s (timeout 1 s): stopped", "TaskTimeout"
+        1.5, "timed out after 1.01 s (timeout 1 s): TimeoutError: slept 1 s of 3 s", "TaskTimeout"
     )
 
     fail = outcome.timed_out(
-        timeout=30, ran=30.5, detail="stopped", attempt=3, max_attempts=3, backoff=math.sqrt
+        timeout=30,
+        ran=30.5,
+        detail="overran: still running 5 s past it",
+        attempt=3,
+        max_attempts=3,
+        backoff=math.sqrt,
     )
     assert fail == outcome.Fail(
-        "gave up after 3 attempts: timed out after 30.50 s (timeout 30 s): stopped", "TaskTimeout"
+        "gave up after 3 attempts: timed out after 30.50 s (timeout 30 s): overran: still "
+        "running 5 s past it",
+        "TaskTimeout",
     )

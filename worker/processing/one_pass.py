@@ -357,7 +357,7 @@ class ProcessingPass:
         first = self._overruns[0]
         try:
             self.completer.flush(session, force=True)
-            if not self._unstarted and self.holder is not None:
+            if not self.leases and self.holder is not None:
                 # Every lease of the batch written or released: the holder has none left,
                 # and the process that exits next need not wait for the sweep.
                 self.holder.deregister(write=lambda statement: self._write_on(session, statement))
