@@ -25,7 +25,10 @@ LOG_FORMATS = ("text", "json")
 
 DEFAULT_LOG_LEVEL = "INFO"
 DEFAULT_LOG_FORMAT = "text"
-DEFAULT_STALE_AFTER_SECONDS = 300.0
+# Two minutes: a dead worker's leases go back this long after its last heartbeat, and a live
+# one beats every fifth of it (one row per worker). Above the supervisor's hung-child
+# timeout (60 s), which must kill a frozen child before its leases go (decision 0013).
+DEFAULT_STALE_AFTER_SECONDS = 120.0
 DEFAULT_NOTIFY_CHANNEL = "fairq_tasks"
 # PgBouncer's names for what one client connection may rely on: a server session of its own
 # ("session", also a direct connection) or one only for the length of a transaction.

@@ -165,8 +165,9 @@ def test_worker_settings_defaults() -> None:
     assert settings.batch_size == 100
     assert settings.threads == 1
     assert settings.poll_interval == 1.0
-    assert settings.stale_after == 300.0
-    assert settings.effective_heartbeat_interval == 60.0
+    # Above the hung-child timeout: a frozen child is killed before its leases go.
+    assert settings.stale_after == 120.0 > settings.child_timeout == 60.0
+    assert settings.effective_heartbeat_interval == 24.0
     assert settings.shutdown_timeout == 30.0
     assert settings.metrics_port == 9100
     assert settings.retention_days == 7.0

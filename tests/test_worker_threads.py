@@ -10,7 +10,6 @@ for the worker itself real processes, signals and HTTP.
 from __future__ import annotations
 
 import collections
-import contextlib
 import itertools
 import os
 import re
@@ -37,9 +36,9 @@ from tests import test_processing
 from tests.factories import insert_company, insert_tasks
 from tests.supervisor_harness import RunningSupervisor, StartSupervisor, wait_for
 from tests.test_processing import Recorder, Register, TopOfRange, rows, run_pass
-from tests.test_timeouts import set_timeout, spin, started_timeout_worker
+from tests.test_timeouts import set_timeout, started_timeout_worker
 from worker import cli, processing
-from worker.errors import HandlerTimeout, PermanentTaskError
+from worker.errors import PermanentTaskError
 from worker.processing import timeouts
 from worker.settings import PassSettings, WorkerSettings
 from worker.tasktypes.base import TaskContext
@@ -265,20 +264,27 @@ def test_an_error_in_one_handler_fails_only_its_own_task(
     )  # fmt: skip
 
 
-def test_each_running_handler_is_stopped_at_its_own_timeout(
+def deadline_keeper(spans: Spans) -> Any:
+    """A handler that records itself, sleeps until its deadline and fails there."""
+
+    def handler(task: TaskContext) -> None:
+        spans.enter(task)
+        time.sleep(task.within_timeout(60))
+        spans.leave(task)
+        raise TimeoutError("the peer did not answer in time")
+
+    return handler
+
+
+def test_each_running_handler_ends_at_its_own_deadline(
     sessions: sessionmaker[Session], fresh_company_id: uuid.UUID, register: Register
 ) -> None:
     spans = Spans()
-
-    def spin_recorded(task: TaskContext) -> None:
-        spans.enter(task)
-        spin(task)
-
-    register("spin", spin_recorded)
+    register("patient", deadline_keeper(spans))
     register("nap", sleeper(spans, 0.5))
     company = fresh_company_id
-    [one] = insert_tasks(sessions, company, task_type="spin", newest_age_seconds=9)
-    [two] = insert_tasks(sessions, company, task_type="spin", newest_age_seconds=8)
+    [one] = insert_tasks(sessions, company, task_type="patient", newest_age_seconds=9)
+    [two] = insert_tasks(sessions, company, task_type="patient", newest_age_seconds=8)
     [nap] = insert_tasks(sessions, company, task_type="nap")
     set_timeout(sessions, [one], 1)
     set_timeout(sessions, [two], 2)
@@ -287,64 +293,79 @@ def test_each_running_handler_is_stopped_at_its_own_timeout(
 
     assert result == processing.PassResult(claimed=3, completed=1, retried=2)
     first, second, napped = rows(sessions, [one, two, nap])
-    # Each stopped at its own timeout while the others ran: two pure-Python loops, on two
-    # threads, one of them not the main thread (no signal reaches it; the exception does).
     assert first["last_error"].startswith("timed out after 1.")
-    assert first["last_error"].endswith("(timeout 1 s): stopped")
+    assert first["last_error"].endswith(
+        "(timeout 1 s): TimeoutError: the peer did not answer in time"
+    )
     assert second["last_error"].startswith("timed out after 2.")
-    assert second["last_error"].endswith("(timeout 2 s): stopped")
     assert [r["status"] for r in (first, second)] == ["pending", "pending"]
     assert napped["status"] == "completed"
     assert max(spans.started.values()) < spans.ended[nap]  # all three ran at once
     assert len(set(spans.threads.values())) == 3
 
 
-def test_a_handler_that_cannot_be_stopped_is_given_up_on_once_the_other_handlers_returned(
+def test_an_overrun_among_four_threads_writes_each_siblings_outcome_then_reports(
     sessions: sessionmaker[Session],
     fresh_company_id: uuid.UUID,
     register: Register,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(timeouts, "STOP_GRACE_SECONDS", 0.5)
+    monkeypatch.setattr(timeouts, "OVERRUN_GRACE_SECONDS", 0.5)
     released = threading.Event()
-    given_up: list[tuple[processing.Unstoppable, float]] = []
+    overruns: list[tuple[processing.Overrun, float]] = []
     spans = Spans()
 
-    def swallow_the_timeout(task: TaskContext) -> None:
-        # As a handler blocked in C would: no exception ends it, until the pass has given up.
+    def ignore_the_deadline(task: TaskContext) -> None:
         spans.enter(task)
-        while not released.is_set():
-            with contextlib.suppress(HandlerTimeout):
-                time.sleep(0.01)
+        n = 0
+        while not released.is_set():  # a Python loop, as a worker child's exit would end
+            n += 1
 
-    def on_unstoppable(stuck: processing.Unstoppable) -> None:
-        given_up.append((stuck, time.monotonic()))
+    def on_overrun(overrun: processing.Overrun) -> None:
+        overruns.append((overrun, time.monotonic()))
         released.set()
 
-    register("stuck", swallow_the_timeout)
+    register("spin", ignore_the_deadline)
     register("slow", sleeper(spans, 2.5))
+    register("patient", deadline_keeper(spans))
     register("counted", sleeper(spans, 0))
     company = fresh_company_id
-    [stuck] = insert_tasks(sessions, company, task_type="stuck", newest_age_seconds=9)
+    [spin_1] = insert_tasks(sessions, company, task_type="spin", newest_age_seconds=9)
     [slow] = insert_tasks(sessions, company, task_type="slow", newest_age_seconds=8)
+    [patient] = insert_tasks(sessions, company, task_type="patient", newest_age_seconds=7)
+    [spin_3] = insert_tasks(sessions, company, task_type="spin", newest_age_seconds=6)
     after = insert_tasks(sessions, company, 2, task_type="counted")
-    set_timeout(sessions, [stuck], 1)
+    set_timeout(sessions, [spin_1], 1)
+    set_timeout(sessions, [patient], 2)
+    set_timeout(sessions, [spin_3], 3)
+    started = time.monotonic()
 
-    result = run_pass(
-        sessions, settings=threads(2), rng=TopOfRange(), on_unstoppable=on_unstoppable
-    )
+    result = run_pass(sessions, settings=threads(4), rng=TopOfRange(), on_overrun=on_overrun)
 
-    assert result == processing.PassResult(claimed=4, completed=1, retried=1, released=2)
-    [(report, reported_at)] = given_up
-    assert (report.task.id, report.timeout) == (stuck, 1)
-    # Given up on at 1.5 s, but reported (a worker child exits there) only once the other
-    # running handler had returned, at 2.5 s: its completion is written, not lost.
+    assert result == processing.PassResult(claimed=6, completed=1, retried=3, released=2)
+    [(report, reported_at)] = overruns
+    # The first overrun (1.5 s) is the one reported, and only once every sibling had returned
+    # (the slow one at 2.5 s: completed; the patient one at 2 s: timed out) or overrun too
+    # (the second loop, at 3.5 s): a worker child exits there, its siblings all written.
+    assert (report.task.id, report.timeout) == (spin_1, 1)
+    assert reported_at - started >= 3 + 0.5
     assert reported_at >= spans.ended[slow]
-    assert set(spans.started) == {stuck, slow}  # nothing started after the give-up
-    retried, done, *unstarted = rows(sessions, [stuck, slow, *after])
-    assert (retried["status"], retried["attempts"], retried["lease_token"]) == ("pending", 1, None)
-    assert "could not be stopped within 0.5 s" in retried["last_error"]
+    assert set(spans.started) == {spin_1, slow, patient, spin_3}  # none started after 1.5 s
+    first, done, timed_out, third, *unstarted = rows(
+        sessions, [spin_1, slow, patient, spin_3, *after]
+    )
+    for overran, timeout in ((first, 1), (third, 3)):
+        assert (overran["status"], overran["attempts"], overran["lease_token"]) == (
+            "pending",
+            1,
+            None,
+        )
+        assert overran["last_error"].endswith(
+            f"(timeout {timeout} s): overran: still running 0.5 s past it"
+        )
     assert (done["status"], done["attempts"]) == ("completed", 1)
+    assert (timed_out["status"], timed_out["attempts"]) == ("pending", 1)
+    assert "TimeoutError" in timed_out["last_error"]
     assert [(r["status"], r["attempts"]) for r in unstarted] == [("pending", 0)] * 2
 
 
@@ -588,49 +609,89 @@ def test_a_child_whose_handlers_all_outlast_its_child_timeout_is_not_killed(
 
 @pytest.fixture
 def threaded_timeout_worker(tmp_path: Path, fresh_db_url: str) -> Iterator[RunningSupervisor]:
-    """`python -m tests.timeout_worker` (with `block_in_c`), one child of two threads.
-
-    As `tests/test_timeouts.py`'s `timeout_worker`, untraced for the same reason.
-    """
-    with started_timeout_worker(tmp_path, fresh_db_url, "--threads", "2") as running:
+    """`python -m tests.timeout_worker` (with `block_in_c` and `spin`), one child of 4 threads."""
+    with started_timeout_worker(tmp_path, fresh_db_url, "--threads", "4") as running:
         yield running
 
 
 @pytest.mark.slow
-def test_a_child_gives_up_on_a_handler_blocked_in_c_once_its_other_handler_returned(
+def test_a_child_of_four_threads_exits_once_its_siblings_returned_and_no_task_is_lost(
     threaded_timeout_worker: RunningSupervisor, fresh_engine: Engine
 ) -> None:
     company = insert_company(fresh_engine).id
     [blocked] = insert_tasks(
         fresh_engine, company, 1, task_type="block_in_c", newest_age_seconds=10, max_attempts=2
     )
-    # Runs beside it, past the blocked one's timeout and grace (1 + 5 s): the child exits
-    # only after it completed, so it runs once.
-    [slow] = insert_tasks(
-        fresh_engine, company, 1, task_type="sleep", payload={"seconds": 8}, newest_age_seconds=9
+    [spinning] = insert_tasks(
+        fresh_engine, company, 1, task_type="spin", newest_age_seconds=9, max_attempts=2
     )
+    # Run beside them, past the blocked one's timeout and grace (1 + 5 s) and the spinning
+    # one's (2 + 5 s): the child exits only after they completed, so each runs once.
+    slow = insert_tasks(
+        fresh_engine, company, 2, task_type="sleep", payload={"seconds": 8}, newest_age_seconds=8
+    )
+    # Not started by the first child (its four threads are busy): handed back at 6 s.
     after = insert_tasks(fresh_engine, company, 3, task_type="noop")
     set_timeout(sessionmaker(fresh_engine), [blocked], 1)
+    set_timeout(sessionmaker(fresh_engine), [spinning], 2)
     sup = threaded_timeout_worker
     (first_child,) = sup.wait_ready(1)
 
     wait_for(
-        lambda: harness.status_counts(fresh_engine) == {"completed": 5},
+        lambda: harness.status_counts(fresh_engine) == {"completed": 7},
         40,
         f"every task to complete:\n{sup.log()[-4000:]}",
     )
 
-    assert harness.task_row(fresh_engine, blocked)["attempts"] == 2  # retried by the next child
-    assert harness.task_row(fresh_engine, slow)["attempts"] == 1  # not cut short by the exit
+    # Timed out in the first child (their attempts counted), run again by the next one.
+    assert harness.task_row(fresh_engine, blocked)["attempts"] == 2
+    assert harness.task_row(fresh_engine, spinning)["attempts"] == 2
+    assert [harness.task_row(fresh_engine, t)["attempts"] for t in slow] == [1] * 2
     assert [harness.task_row(fresh_engine, t)["attempts"] for t in after] == [1] * 3
     (second_child,) = sup.wait_children(1)
     assert second_child != first_child
     log = sup.log()
     assert f"child {first_child} exited: task {blocked} (type block_in_c)" in log
     exited = log.index(f"child {first_child} exited")
-    completed = re.search(rf"task {slow} \(company [^)]*\) completed", log)
-    assert completed is not None, log[-4000:]
-    assert completed.start() < exited  # its completion written before the child exited
+    for task in slow:
+        completed = re.search(rf"task {task} \(company [^)]*\) completed", log)
+        assert completed is not None, log[-4000:]
+        assert completed.start() < exited  # its completion written before the child exited
     assert sup.metrics()["worker_child_restarts_total"] == 1
+    assert sup.metrics()["worker_child_timeouts_total"] == 0
     sup.send(signal.SIGTERM)
     assert sup.wait(15) == 0
+
+
+@pytest.mark.slow
+def test_a_child_frozen_by_a_handler_is_killed_and_its_siblings_tasks_come_back_counted(
+    tmp_path: Path, fresh_db_url: str, fresh_engine: Engine
+) -> None:
+    company = insert_company(fresh_engine).id
+    # Claimed first, so running when the other freezes the child: it started, its attempt counts.
+    [sibling] = insert_tasks(
+        fresh_engine, company, task_type="sleep", payload={"seconds": 1}, newest_age_seconds=9
+    )
+    [frozen] = insert_tasks(fresh_engine, company, task_type="hold_gil", newest_age_seconds=8)
+    set_timeout(sessionmaker(fresh_engine), [frozen], 1)
+    with started_timeout_worker(
+        tmp_path, fresh_db_url, "--threads", "2",
+        WORKER_CHILD_TIMEOUT_SECONDS="2", STALE_AFTER_SECONDS="4",
+    ) as sup:  # fmt: skip
+        (first_child,) = sup.wait_ready(1)
+
+        # Its keeper cannot write the overrun (no thread of it runs): the supervisor kills
+        # it as hung, and the sweep takes both leases back once its row is stale.
+        wait_for(
+            lambda: harness.status_counts(fresh_engine) == {"completed": 2},
+            40,
+            f"both tasks to complete:\n{sup.log()[-4000:]}",
+        )
+
+        # Both ran twice: the sibling had started, so its first attempt counts.
+        assert harness.task_row(fresh_engine, frozen)["attempts"] == 2
+        assert harness.task_row(fresh_engine, sibling)["attempts"] == 2
+        assert f"child {first_child} gave no sign of life" in sup.log()
+        assert sup.metrics()["worker_child_timeouts_total"] == 1
+        sup.send(signal.SIGTERM)
+        assert sup.wait(15) == 0

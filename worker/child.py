@@ -26,11 +26,13 @@ Forked by `worker.supervisor`. In order, a child:
    nearly every task, and at least every `ORPHAN_CHECK_SECONDS` while waiting), makes one
    last attempt to write what it still owes, deletes its `workers` row if it holds no lease
    any more, then exits 0;
-5. or exits `HANDLER_STUCK` from its lease keeper's thread when a handler could not be
-   stopped at its task's timeout (`processing.timeouts`), once the pass has written the
-   task's retry and what else it owed and its other running handlers have returned, saying
-   which task on its status pipe (`stuck: ...`): the supervisor logs it and replaces the
-   child; whatever leases remain go back once its row is stale (the sweep).
+5. or exits `HANDLER_STUCK` from its lease keeper's thread when a handler overran its task's
+   deadline and the grace (`processing.timeouts`), once the pass has written that task's
+   timeout outcome, released the unstarted rest of its batch, and written the outcomes of
+   its other running handlers as they returned (or overran too), saying which task on its
+   status pipe (`stuck: ...`). It then holds no lease and deletes its `workers` row: the
+   supervisor logs it and replaces the child. Only a child that could not write (the
+   database down) leaves leases behind, for the sweep.
 
 Fewer round trips and less work per batch (`worker.processing`): each pass holds one
 connection of the child's engine; dead workers' leases are swept every few seconds
@@ -80,8 +82,8 @@ T = TypeVar("T")
 
 # Exit status of a child that could not boot (gunicorn's WORKER_BOOT_ERROR is 3 too).
 BOOT_ERROR = 3
-# Exit status of a child that gave up on a handler it could not stop at its task's timeout
-# (`processing.timeouts`): its thread can be freed only by ending the process.
+# Exit status of a child whose handler overran its task's deadline (`processing.timeouts`):
+# the thread in it can be freed only by ending the process.
 HANDLER_STUCK = 4
 # Lines a child writes on its status pipe.
 STATUS_BOOTED = "booted"
@@ -233,8 +235,6 @@ class Child:
             runners = min(self.settings.threads, self.settings.batch_size) - 1
             if runners > 0:
                 self._runners = processing.Runners(runners)
-            # Handlers run on this thread: a timeout may interrupt their blocking calls too.
-            processing.install_nudge()
         except Exception as exc:
             log.exception("importing the processing code failed")
             return f"cannot import the processing code: {exc!r}"
@@ -407,23 +407,24 @@ class Child:
             unwritten=self._unwritten,
             sweep_schedule=self._sweep_schedule,
             keeper=self._keeper,
-            on_unstoppable=self._exit_unstoppable,
+            on_overrun=self._exit_overrun,
             runners=self._runners,
             holder=self._holder,
         )
         return result.claimed
 
-    def _exit_unstoppable(self, stuck: processing.Unstoppable) -> NoReturn:
-        """Exit: the pass gave up on a handler it could not stop, and wrote what it owed.
+    def _exit_overrun(self, overrun: processing.Overrun) -> NoReturn:
+        """Exit: a handler overran its deadline, and the pass wrote what it owed.
 
         Called from the lease keeper's thread; a thread of ours is still in that handler,
-        blocked where no exception reaches it, and only the end of the process frees it.
-        The supervisor reads why on the status pipe and replaces this child.
+        and only the end of the process frees it. The pass deleted the child's row if it
+        holds no lease any more. The supervisor reads why on the status pipe and replaces
+        this child.
         """
-        task = stuck.task
+        task = overrun.task
         reason = (
-            f"task {task.id} (type {task.type}) was still running {stuck.ran:.1f}s after it "
-            f"started, its timeout of {stuck.timeout:g}s long past, and could not be stopped"
+            f"task {task.id} (type {task.type}) was still running {overrun.ran:.1f}s after "
+            f"it started, past its timeout of {overrun.timeout:g}s and the grace"
         )
         log.error("child %d exits: %s", os.getpid(), reason)
         self._report(f"{STATUS_STUCK} {reason}")

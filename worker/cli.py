@@ -3,8 +3,8 @@
 Flags mirror settings: each one overrides its environment variable and is validated the
 same way (`WorkerSettings.from_env`). Exit statuses: 0 stopped on request; 1 cannot start
 (metrics port taken, database error in `--once`); 2 invalid configuration (the message names
-the variable); 3 children could not boot; 4 `--once` gave up on a handler it could not stop
-at its task's timeout (that task is retried, the rest of its batch handed back).
+the variable); 3 children could not boot; 4 in `--once` a handler overran its task's deadline
+(`processing.timeouts`: that task timed out, the rest of its batch was handed back).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from worker import processing
 
 SETTINGS_ERROR_EXIT = 2
-# `--once` could not stop a handler at its timeout (`worker.child.HANDLER_STUCK` in a child).
+# In `--once` a handler overran its task's deadline (`worker.child.HANDLER_STUCK` in a child).
 HANDLER_STUCK_EXIT = 4
 
 
@@ -154,9 +154,6 @@ def run_once(settings: WorkerSettings) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda _signum, _frame: stop.set())
-    # The pass runs handlers on this thread (with --threads, on runner threads too): a
-    # timeout may interrupt this thread's blocking calls.
-    processing.install_nudge()
     engine = db_engine.make_engine(
         settings.database_url,
         application_name="fairq-worker-once",
@@ -172,7 +169,7 @@ def run_once(settings: WorkerSettings) -> int:
             settings=settings,
             stop=stop.is_set,
             unwritten=unwritten,
-            on_unstoppable=_exit_unstoppable,
+            on_overrun=_exit_overrun,
         )
     except DBAPIError as exc:
         print(f"fairq worker: database error: {exc.orig or exc}", file=sys.stderr)
@@ -184,15 +181,15 @@ def run_once(settings: WorkerSettings) -> int:
     return 0
 
 
-def _exit_unstoppable(stuck: processing.Unstoppable) -> NoReturn:
-    """Exit `HANDLER_STUCK_EXIT`: a thread of ours is in a handler that no exception stops.
+def _exit_overrun(overrun: processing.Overrun) -> NoReturn:
+    """Exit `HANDLER_STUCK_EXIT`: a thread of ours is in a handler that overran its deadline.
 
     Called from the pass's lease keeper thread once the pass wrote what it owed.
     """
     print(
-        f"fairq worker: task {stuck.task.id} (type {stuck.task.type}) was still running "
-        f"{stuck.ran:.1f}s after it started, its timeout of {stuck.timeout:g}s long past, and "
-        "could not be stopped; it is retried, the rest of the batch was handed back",
+        f"fairq worker: task {overrun.task.id} (type {overrun.task.type}) was still running "
+        f"{overrun.ran:.1f}s after it started, past its timeout of {overrun.timeout:g}s and "
+        "the grace; it timed out, the rest of the batch was handed back",
         file=sys.stderr,
         flush=True,
     )

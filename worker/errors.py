@@ -9,13 +9,3 @@ class PermanentTaskError(Exception):
     Any other exception from a handler is treated as transient and retried with backoff
     until `max_attempts` (design §4, Fail).
     """
-
-
-class HandlerTimeout(BaseException):
-    """Raised inside a handler still running at its task's timeout, to stop it (design §6).
-
-    The pass raises it asynchronously in the handler's thread (`worker.processing.timeouts`);
-    the attempt counts as a retryable failure. A `BaseException`, like `KeyboardInterrupt`,
-    so that a handler's `except Exception` does not swallow it: a handler that catches it
-    anyway must re-raise it, or its worker process is replaced once the grace has passed.
-    """

@@ -174,8 +174,8 @@ class SupervisorMetrics:
         )  # fmt: skip
         self.restarts = Counter(
             "worker_child_restarts",
-            "Children that died unexpectedly, or gave up on a handler they could not stop at "
-            "its timeout, and were replaced.",
+            "Children that died unexpectedly, or exited because a handler overran its "
+            "task's deadline, and were replaced.",
             registry=None,
         )  # fmt: skip
         self.timeouts = Counter(

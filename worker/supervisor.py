@@ -16,10 +16,12 @@ its `arbiter.py`. One single-threaded loop:
   or why it could not. The metrics port is served by a side process, the exporter
   (`worker.exporter`, decision 0004), which the loop keeps running as it keeps children.
 
-A child that gives up on a handler it cannot stop at its task's timeout exits with
-`child.HANDLER_STUCK` after writing what it owed, having named the task on its status pipe:
-it is logged, counted as a restart, and replaced; its remaining leases go back once its
-`workers` row is stale (the sweep, decision 0010).
+A child whose handler overran its task's deadline exits with `child.HANDLER_STUCK` after
+writing what it owed (that task's timeout, its siblings' outcomes, the release of the rest)
+and deleting its `workers` row, having named the task on its status pipe: it is logged,
+counted as a restart, and replaced, as gunicorn replaces a worker past its timeout
+(decision 0013). A child that cannot even do that has stopped its alive signal too: a hung
+child, below.
 
 Hung children (gunicorn's worker timeout, design §5): each child has a second pipe on which
 a thread of its own writes a byte every second while the child is alive
@@ -432,11 +434,11 @@ class Supervisor:
             self._on_boot_failure(proc, now)
             return
         if code == child.HANDLER_STUCK:
-            # Its pass wrote the task's retry and what else it owed; whatever it could not
+            # Its pass wrote the task's timeout and what else it owed; whatever it could not
             # write, its leases, the sweep takes back once its row is stale.
             log.error(
-                "child %d exited: %s (a handler blocked outside Python, or one that caught "
-                "HandlerTimeout); its other tasks go back to the queue; replacing it in %.2fs",
+                "child %d exited: %s (a handler that ignores its deadline); the rest of its "
+                "batch went back to the queue; replacing it in %.2fs",
                 proc.pid, proc.stuck_handler, delay,
             )  # fmt: skip
             return

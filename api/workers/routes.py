@@ -7,12 +7,10 @@ request, so the response waits for every claimed task's handler. Its tasks are c
 API's `/metrics` under the worker's names (`tasks_claimed_total`, `tasks_completed_total`, ...).
 What handlers return is stored as their tasks' `result`, as in a worker.
 
-Timeouts apply as in a worker (`worker.processing.timeouts`), with one difference: the pass
-runs in the request's thread, which no signal reaches, so a handler is stopped at its timeout
-between bytecodes only, not inside a blocking call. One that cannot be stopped within the
-grace is given up on: the pass writes its task's retry, its completions and the release of
-the rest of the batch at once, but the request's thread (unlike a worker child, which
-exits) stays in that handler, and the response waits until it returns.
+Timeouts apply as in a worker (`worker.processing.timeouts`), with one difference: a handler
+that overruns its deadline and the grace has its task's timeout, the pass's completions and
+the release of the rest of the batch written at once, but the request's thread (unlike a
+worker child, which exits) stays in that handler, and the response waits until it returns.
 """
 
 from __future__ import annotations

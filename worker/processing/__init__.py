@@ -11,14 +11,14 @@ The pieces, each in its module:
 - `one_pass`: the pass itself (`run_pass`, `ProcessingPass`);
 - `outcome`: what becomes of a task after its attempt, a pure function of what its handler
   raised, its attempts and the backoff rule;
-- `timeouts`: each attempt's deadline, and stopping a handler still running at it;
+- `timeouts`: each attempt's deadline, and what happens to a handler that overruns it;
 - `task_result`: what a handler returned, as the JSON text its task stores;
 - `finalize`: writing each outcome fenced by the task's lease, and reporting it once;
 - `completer`: where the pass hands each completion (`Completer`), written in batches;
 - `held_leases`: the leases a pass holds;
 - `holder`: this process as a registered worker (`workers` row) and its heartbeat;
 - `pauses`: whether the batch's companies were paused since the claim;
-- `lease_keeper`: the thread that flushes completions and checks timeouts and pauses while
+- `lease_keeper`: the thread that flushes completions and watches deadlines and pauses while
   handlers run (and beats a pass's own holder);
 - `runners`: the threads that run handlers beside the pass's own (`WORKER_THREADS`);
 - `unwritten`: outcomes a database error kept from being written, for the next pass;
@@ -40,20 +40,19 @@ from worker.processing.one_pass import run_pass, write_unwritten
 from worker.processing.result import PassResult
 from worker.processing.runners import Runners
 from worker.processing.sweep import SweepSchedule
-from worker.processing.timeouts import Unstoppable, install_nudge
+from worker.processing.timeouts import Overrun
 from worker.processing.unwritten import UnwrittenOutcomes
 
 __all__ = [
     "WORKER_STATEMENT_TIMEOUT_MS",
     "Holder",
     "LeaseKeeper",
+    "Overrun",
     "PassObserver",
     "PassResult",
     "Runners",
     "SweepSchedule",
-    "Unstoppable",
     "UnwrittenOutcomes",
-    "install_nudge",
     "run_pass",
     "write_unwritten",
 ]

@@ -32,6 +32,11 @@ class HeldLeases:
             for task_id in task_ids:
                 self._held.pop(task_id, None)
 
+    def __len__(self) -> int:
+        """How many leases are held."""
+        with self._lock:
+            return len(self._held)
+
     def holds(self, task_id: uuid.UUID) -> bool:
         """Whether the lease of `task_id` is still held."""
         with self._lock:

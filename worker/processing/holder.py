@@ -43,6 +43,7 @@ class Holder:
         self._lock = threading.Lock()
         self.confirmed_at = float("-inf")
         self.generation = 0
+        self._retired = False  # its row deleted for good: beats no longer register it again
 
     def register(self) -> None:
         """Store the row; raise `DBAPIError` if the database refuses."""
@@ -56,6 +57,8 @@ class Holder:
     def beat(self) -> None:
         """Refresh the row's heartbeat; if it was gone, count the leases lost and register again."""
         with self._lock:
+            if self._retired:
+                return
             sent_at = time.monotonic()
             if not self._write(lambda conn: workers.heartbeat(conn, self.worker_id)):
                 self.generation += 1
@@ -72,7 +75,12 @@ class Holder:
                 )
             self.confirmed_at = sent_at
 
-    def deregister(self) -> None:
-        """Delete the row (a clean exit: it holds no lease)."""
+    def deregister(self, write: Write[Any] | None = None) -> None:
+        """Delete the row for good (a clean exit: it holds no lease); no beat writes it again.
+
+        `write`: run the statement with it rather than the holder's own (a lease keeper's
+        connection, when the process is about to exit: `ProcessingPass`).
+        """
         with self._lock:
-            self._write(lambda conn: workers.deregister(conn, self.worker_id))
+            (write or self._write)(lambda conn: workers.deregister(conn, self.worker_id))
+            self._retired = True

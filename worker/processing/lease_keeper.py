@@ -1,8 +1,8 @@
 """The lease keeper: a thread that works for a running pass beside its handlers.
 
 While a pass runs its batch, the keeper writes the completions that are due, so they need
-not wait for the end of the pass; stops any handler running past its task's timeout
-(`timeouts`), from outside the handler's thread, which is busy with the handler; reads the
+not wait for the end of the pass; writes the timeout outcome of a handler that overran its
+deadline (`timeouts`), from outside the handler's thread, which is busy with it; reads the
 batch's pauses again when a batch starts nothing for a while (`pauses`); and, every heartbeat
 interval, beats the pass's holder when the pass registered its own (a pass outside a worker
 child; a child's liveness thread beats the child's: decision 0010).
@@ -44,15 +44,15 @@ class KeptPass(Protocol):
     def flush_due_completions(self, session: Session) -> None:
         """Write the completions that have waited long enough."""
 
-    def stop_overdue_handler(self, session: Session) -> None:
-        """Stop each handler running past its timeout; give up on one after the grace."""
+    def write_overruns(self, session: Session) -> None:
+        """Write the timeout outcome of each handler past its deadline and the grace."""
 
     def refresh_pauses(self, session: Session) -> None:
         """Read again which of the batch's companies are paused, once the last read ages."""
 
 
 class LeaseKeeper:
-    """A thread that flushes the attached pass's due completions, checks its timeouts and
+    """A thread that flushes the attached pass's due completions, watches its deadlines and
     pauses, and beats its own holder.
 
     A worker child keeps one for its life, attaching each pass in turn (docs/decisions/0003);
@@ -112,7 +112,7 @@ class LeaseKeeper:
         try:
             if self._session is None:
                 self._session = owner.new_session()
-            owner.stop_overdue_handler(self._session)
+            owner.write_overruns(self._session)
             if time.monotonic() >= self._next_beat:
                 self._next_beat = time.monotonic() + owner.heartbeat_interval
                 owner.heartbeat(self._session)

@@ -25,7 +25,7 @@ from common import logging as fairq_logging
 from db import queue
 from db.engine import driver_connection, driver_errors
 from worker import backoff, tasktypes
-from worker.errors import HandlerTimeout, PermanentTaskError
+from worker.errors import PermanentTaskError
 from worker.processing import database, outcome, sweep, task_log, task_result, timeouts
 from worker.processing.completer import BatchCompleter, Completer, Completion
 from worker.processing.database import PassDatabase, SessionSource
@@ -39,32 +39,35 @@ from worker.processing.result import PassResult, ResultCounter
 from worker.processing.runners import Runners
 from worker.processing.sweep import SweepSchedule
 from worker.processing.task_log import log
-from worker.processing.timeouts import Ending
 from worker.processing.unwritten import UnwrittenOutcomes
 from worker.settings import PassSettings
 from worker.tasktypes.base import JsonValue, TaskContext, TaskType
 
 T = TypeVar("T")
 StopFlag = threading.Event | Callable[[], bool] | None
-# Told of a handler the pass gave up on (`timeouts`), once its outcome is written.
-OnUnstoppable = Callable[[timeouts.Unstoppable], None]
+# Told of a handler that overran its deadline (`timeouts`), once what the pass owed is written.
+OnOverrun = Callable[[timeouts.Overrun], None]
 # The batch's tasks not taken by a runner yet, in claim order, each with its lease.
 _Batch = Iterator[tuple[queue.ClaimedTask, queue.Lease]]
 
 
 class _Hand:
-    """One thread running a pass's handlers: its timer and the task it holds, if any.
+    """One thread running a pass's handlers: the call it is in and the task it holds, if any.
 
-    Written by its own thread only (`busy`) or by the lease keeper only (`given_up`), read
-    by the keeper: a single attribute store, no lock.
+    `busy` and `running` are written by its own thread, read by the lease keeper (single
+    attribute stores, no lock); `overran` is set by the keeper under `lock`, which the hand's
+    thread takes only when its handler returned past the grace (`ProcessingPass._returned`).
     """
 
-    __slots__ = ("busy", "given_up", "timer")
+    __slots__ = ("busy", "lock", "overran", "running")
 
-    def __init__(self, timer: timeouts.HandlerTimer) -> None:
-        self.timer = timer
+    def __init__(self) -> None:
         self.busy = False  # holds a task whose handler started, or is about to
-        self.given_up = False  # its handler could not be stopped (`_give_up`)
+        # The handler's call while in it: (task, timeout, started, overrun_at), a plain tuple
+        # built per task on the hot path; the keeper makes a `timeouts.Running` of it.
+        self.running: tuple[queue.ClaimedTask, float, float, float] | None = None
+        self.overran = False  # its handler overran: the keeper wrote its outcome
+        self.lock = threading.Lock()
 
 
 def run_pass(
@@ -78,7 +81,7 @@ def run_pass(
     unwritten: UnwrittenOutcomes | None = None,
     sweep_schedule: SweepSchedule | None = None,
     keeper: LeaseKeeper | None = None,
-    on_unstoppable: OnUnstoppable | None = None,
+    on_overrun: OnOverrun | None = None,
     runners: Runners | None = None,
     holder: Holder | None = None,
 ) -> PassResult:
@@ -100,12 +103,13 @@ def run_pass(
     else started for the pass) each take the batch's next task in claim order. With 1, this
     thread runs every task, one after the other.
 
-    Each handler runs under its task's timeout (`timeouts`): one still running at it is
-    stopped, and the attempt is a retryable failure. One that cannot be stopped within the
-    grace is given up on: from the lease keeper's thread the pass writes its retry, the
-    buffered completions and the release of the unstarted rest; once the other running
-    handlers have returned it calls `on_unstoppable` (a worker child exits there), and it
-    ends once the handler returns, if ever.
+    Each handler runs under its task's deadline (`timeouts`), which it is given: one that
+    fails at it has timed out, a retryable failure. One still running `OVERRUN_GRACE_SECONDS`
+    past it has overrun: from the lease keeper's thread the pass writes its timeout outcome,
+    the buffered completions and the release of the unstarted rest, and starts no other
+    task; once its other running handlers have returned (their outcomes written) or overrun
+    too, it calls `on_overrun` (a worker child exits there, `--once` too), and it ends once
+    the handler returns, if ever.
 
     Database errors propagate, after one more attempt to write the completions and releases
     the pass has not written yet. What that attempt could not write goes into `unwritten`, if
@@ -132,7 +136,7 @@ def run_pass(
             unwritten=unwritten,
             sweep_schedule=sweep_schedule,
             keeper=keeper,
-            on_unstoppable=on_unstoppable,
+            on_overrun=on_overrun,
             runners=runners,
             holder=holder,
         ).run()
@@ -186,7 +190,7 @@ class ProcessingPass:
         unwritten: UnwrittenOutcomes | None = None,
         sweep_schedule: SweepSchedule | None = None,
         keeper: LeaseKeeper | None = None,
-        on_unstoppable: OnUnstoppable | None = None,
+        on_overrun: OnOverrun | None = None,
         runners: Runners | None = None,
         holder: Holder | None = None,
     ) -> None:
@@ -220,23 +224,23 @@ class ProcessingPass:
             db, self.leases, self.counter, observer, self.finalizer.lease_lost
         )
         # Held tasks whose handler has not started: released if the pass ends early. Shared
-        # by the runners, `_give_up` (the keeper's thread) and `_finish`: a task belongs to
+        # by the runners, `_write_overrun` (the keeper's thread) and `_finish`: a task belongs to
         # whoever pops it from here (`dict.pop` and `popitem` are atomic under the GIL). No
         # lock per task: an uncontended one costs a few percent of a noop task.
         self._unstarted: dict[uuid.UUID, queue.ClaimedTask] = {}
-        # Once set, no handler starts: the pass is stopping, failing or gave up on one.
+        # Once set, no handler starts: the pass is stopping, failing or one overran.
         self._closed = False
         # One per thread running handlers, added as each starts (`_run_tasks`); replaced
         # whole under `_hands_lock`, so the keeper reads it without one.
         self._hands: tuple[_Hand, ...] = ()
         self._hands_lock = threading.Lock()
-        self.on_unstoppable = on_unstoppable
-        # Handlers given up on, their outcomes written; `on_unstoppable` is told of the first
+        self.on_overrun = on_overrun
+        # Handlers that overran, their outcomes written; `on_overrun` is told of the first
         # once no other handler runs (then `_reported`).
-        self._stuck: list[timeouts.Unstoppable] = []
+        self._overruns: list[timeouts.Overrun] = []
         self._reported = False
-        # Set once `_give_up` has written what the pass owed: the pass then ends.
-        self._given_up = threading.Event()
+        # Set once `_write_overrun` has written what the pass owed: the pass then ends.
+        self._overrun_written = threading.Event()
 
     # -- for the lease keeper (`lease_keeper.KeptPass`) -----------------------------------
 
@@ -279,42 +283,44 @@ class ProcessingPass:
             self._unstarted.update((t.id, t) for t in taken)
             raise
 
-    def stop_overdue_handler(self, session: Session) -> None:
-        """Stop each handler running past its timeout; give up on one after the grace."""
-        now = time.monotonic()
+    def write_overruns(self, session: Session) -> None:
+        """Write the timeout outcome of each handler past its deadline and the grace."""
+        now = time.monotonic()  # read before `running`: see `_returned`
         for hand in self._hands:
-            overdue = hand.timer.check(now)
-            if overdue is not None:
-                hand.given_up = True
-                self._give_up(session, overdue)
-        if self._stuck and not self._reported:
-            self._report_stuck(session)
+            armed = hand.running
+            if armed is None or now < armed[3] or hand.overran:
+                continue
+            with hand.lock:
+                if hand.running is not armed:
+                    continue  # it returned meanwhile: its own thread writes its outcome
+                hand.overran = True
+            self._write_overrun(session, timeouts.Running(*armed[:3]))
+        if self._overruns and not self._reported:
+            self._report_overrun(session)
 
-    def _give_up(self, session: Session, running: timeouts.Running) -> None:
-        """Write what the pass owes, a handler it cannot stop still running.
+    def _write_overrun(self, session: Session, running: timeouts.Running) -> None:
+        """Write what the pass owes, a handler past its deadline and the grace still running.
 
-        In the lease keeper's thread; that handler's runner is in it (or waits for this to
-        end, `Ending.GIVEN_UP`). No handler starts from now on. The task's retry (or
-        failure), every buffered completion, and the release of the tasks not started are
-        written now, not left to the lease's expiry: a worker child is about to exit, once
-        the other running handlers are done (`_report_stuck`).
+        In the lease keeper's thread; that handler's thread is in it, or skips its outcome
+        once it returns (`_returned`). No handler starts from now on. The task's timeout
+        outcome (retry or failure, fenced, its attempt counted), every buffered completion,
+        and the release of the tasks not started are written now, not left to the sweep: a
+        worker child is about to exit, once the other running handlers are done
+        (`_report_overrun`).
         """
         task = running.task
         ran = time.monotonic() - running.started
         unstarted = self._take_unstarted()
         try:
             fields = task_log.task_fields(
-                task, "task.unstoppable", ran, timeout_s=running.timeout,
-                grace_s=timeouts.STOP_GRACE_SECONDS,
+                task, "task.overrun", ran, timeout_s=running.timeout,
+                grace_s=timeouts.OVERRUN_GRACE_SECONDS,
             )  # fmt: skip
-            log.error(task_log.MSG_UNSTOPPABLE, fields, extra=fields)
+            log.error(task_log.MSG_OVERRUN, fields, extra=fields)
             decision = outcome.timed_out(
                 timeout=running.timeout,
                 ran=ran,
-                detail=(
-                    f"could not be stopped within {timeouts.STOP_GRACE_SECONDS:g} s (blocked "
-                    "outside Python, or HandlerTimeout caught); given up"
-                ),
+                detail=f"overran: still running {timeouts.OVERRUN_GRACE_SECONDS:g} s past it",
                 attempt=task.attempts,
                 max_attempts=task.max_attempts,
                 backoff=self._backoff,
@@ -325,42 +331,45 @@ class ProcessingPass:
             unstarted = []
         except Exception as exc:
             # Left for the pass's thread, should the handler return (completions stay
-            # buffered); else the holder's leases are taken back by the supervisor (a child
-            # that exits) or expire.
+            # buffered); else the sweep takes the holder's leases back once its row is stale.
             self._unstarted.update((t.id, t) for t in unstarted)
             log.warning(
-                "could not write what the pass owes after giving up on task %s (%s); those "
+                "could not write what the pass owes after task %s overran (%s); those "
                 "tasks go back to the queue when their leases are taken back",
                 task.id, type(exc).__name__,
                 extra={"event": "tasks.owed_dropped", "task_id": str(task.id)},
             )  # fmt: skip
         finally:
-            self._stuck.append(timeouts.Unstoppable(task, running.timeout, ran))
-            self._given_up.set()
-        self._report_stuck(session)
+            self._overruns.append(timeouts.Overrun(task, running.timeout, ran))
+            self._overrun_written.set()
+        self._report_overrun(session)
 
-    def _report_stuck(self, session: Session) -> None:
-        """Tell `on_unstoppable` of the first handler given up on, once no other one runs.
+    def _report_overrun(self, session: Session) -> None:
+        """Tell `on_overrun` of the first handler that overran, once no other one runs.
 
-        In the lease keeper's thread, which meanwhile goes on stopping the other handlers at
-        their timeouts: a worker child exits there, and tasks still running would be taken
-        back and run again. The completions written first are theirs.
+        In the lease keeper's thread, which meanwhile goes on watching the other handlers'
+        deadlines: a worker child exits there, and a task still running would be taken back
+        and run again. The completions written first are theirs.
         """
-        if any(hand.busy and not hand.given_up for hand in self._hands):
+        if any(hand.busy and not hand.overran for hand in self._hands):
             return
         self._reported = True
-        first = self._stuck[0]
+        first = self._overruns[0]
         try:
             self.completer.flush(session, force=True)
+            if not self.leases and self.holder is not None:
+                # Every lease of the batch written or released: the holder has none left,
+                # and the process that exits next need not wait for the sweep.
+                self.holder.deregister(write=lambda statement: self._write_on(session, statement))
         except Exception as exc:
             log.warning(
-                "could not write the last completions of the pass that gave up on task %s "
+                "could not write the last completions of the pass whose task %s overran "
                 "(%s); those tasks run again once their leases are taken back",
                 first.task.id, type(exc).__name__,
                 extra={"event": "tasks.owed_dropped", "task_id": str(first.task.id)},
             )  # fmt: skip
-        if self.on_unstoppable is not None:
-            self.on_unstoppable(first)
+        if self.on_overrun is not None:
+            self.on_overrun(first)
 
     # -- the pass's own thread ------------------------------------------------------------
 
@@ -417,12 +426,16 @@ class ProcessingPass:
     def _write_own(self, statement: Callable[[psycopg.Connection[Any]], T]) -> T:
         """Run `statement` on the pass's database, committed (the own holder's writes)."""
         with self.db.session() as session:
+            return self._write_on(session, statement)
 
-            def sent() -> T:
-                with driver_errors("workers"):
-                    return statement(driver_connection(session, transaction=False))
+    def _write_on(self, session: Session, statement: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """Run `statement` on `session`'s connection, committed."""
 
-            return self.db.write(session, sent)
+        def sent() -> T:
+            with driver_errors("workers"):
+                return statement(driver_connection(session, transaction=False))
+
+        return self.db.write(session, sent)
 
     def _detach(self, keeper: LeaseKeeper) -> None:
         keeper.detach()
@@ -556,8 +569,7 @@ class ProcessingPass:
         GIL). An error here (a database error, a handler's BaseException) closes the pass:
         the other runners finish their handlers and start none.
         """
-        # Its timer made here, in the thread that runs the handlers: the thread it stops.
-        hand = _Hand(timer := timeouts.HandlerTimer())
+        hand = _Hand()
         with self._hands_lock:
             self._hands = (*self._hands, hand)
         try:
@@ -577,14 +589,14 @@ class ProcessingPass:
                 if task_type is None:
                     self._fail_unknown_type(session, task)
                     continue
-                # Busy before the task is ours: `_report_stuck`, which reads it after taking
+                # Busy before the task is ours: `_report_overrun`, which reads it after taking
                 # every unstarted task, then counts this one as running if it may be.
                 hand.busy = True
                 try:
                     if self._unstarted.pop(task.id, None) is None:
-                        return  # handed back by `_give_up` meanwhile
+                        return  # handed back by `_write_overrun` meanwhile
                     # From here on the task may have side effects: never released.
-                    self._run_one(session, task, lease, task_type, timer)
+                    self._run_one(session, task, lease, task_type, hand)
                 finally:
                     hand.busy = False
         except BaseException:
@@ -609,7 +621,7 @@ class ProcessingPass:
     def _fail_unknown_type(self, session: Session, task: queue.ClaimedTask) -> None:
         """Fail `task`, of a type no handler is registered for, unless handed back already."""
         if self._unstarted.pop(task.id, None) is None:
-            return  # handed back by `_give_up` meanwhile
+            return  # handed back by `_write_overrun` meanwhile
         failed = outcome.unknown_type(task.type, tasktypes.names())
         try:
             self.finalizer.settle(session, task, failed, seconds=None)
@@ -638,46 +650,59 @@ class ProcessingPass:
         task: queue.ClaimedTask,
         lease: queue.Lease,
         task_type: TaskType,
-        timer: timeouts.HandlerTimer,
+        hand: _Hand,
     ) -> None:
         timeout = timeouts.timeout_of(task, task_type)
         started = time.monotonic()
-        timer.arm(task, timeout, started)
+        armed = (task, timeout, started, started + timeout + timeouts.OVERRUN_GRACE_SECONDS)
+        hand.running = armed
         returned: JsonValue = None
-        raised: BaseException | None = None
+        raised: Exception | None = None
         try:
-            try:
-                context = TaskContext(
-                    task_id=task.id,
-                    company_id=task.company_id,
-                    type=task.type,
-                    payload=_load_payload(task, task_type),
-                    attempt=task.attempts,
-                    max_attempts=task.max_attempts,
-                    config=self.settings.handler_config,
-                    timeout=timeout,
-                    deadline=started + timeout,
-                )
-                returned = task_type.handler(context)
-            finally:
-                ending = timer.disarm()
-        except HandlerTimeout as exc:
-            # The timer's, raised maybe as the handler returned, before `disarm` took effect.
-            ending = timer.disarm()
-            raised = exc
+            context = TaskContext(
+                task_id=task.id,
+                company_id=task.company_id,
+                type=task.type,
+                payload=_load_payload(task, task_type),
+                attempt=task.attempts,
+                max_attempts=task.max_attempts,
+                config=self.settings.handler_config,
+                timeout=timeout,
+                deadline=started + timeout,
+            )
+            returned = task_type.handler(context)
         except Exception as exc:
             raised = exc
+        finally:
+            overran = self._returned(hand, armed[3])
+        if overran:
+            # The lease keeper wrote this task's outcome and what else the pass owed: stop.
+            self._overrun_written.wait()
+            return
         seconds = time.monotonic() - started
-        if raised is None and ending is Ending.IN_TIME:  # the common case, first
+        if raised is None:  # the common case, first
             if returned is None:
                 self.completer.complete(task, lease, seconds, None)
             else:
                 self._complete_with_result(session, task, lease, returned, seconds)
             return
         self._finalize_failure(
-            session, timeouts.Running(task, timeout, started),
-            ending=ending, raised=raised, seconds=seconds,
-        )  # fmt: skip
+            session, timeouts.Running(task, timeout, started), raised=raised, seconds=seconds
+        )
+
+    @staticmethod
+    def _returned(hand: _Hand, overrun_at: float) -> bool:
+        """Leave the handler's call; tell whether it overran (its outcome written already).
+
+        No lock in time (before `overrun_at`), where most handlers return: the keeper acts on
+        a call only if it read it running at a time past `overrun_at`, and this clock is read
+        after the call was cleared, so later still.
+        """
+        hand.running = None
+        if time.monotonic() < overrun_at:
+            return False
+        with hand.lock:  # waits for a keeper deciding right now
+            return hand.overran
 
     def _complete_with_result(
         self,
@@ -701,39 +726,24 @@ class ProcessingPass:
         session: Session,
         running: timeouts.Running,
         *,
-        ending: Ending,
-        raised: BaseException | None,
+        raised: Exception,
         seconds: float,
     ) -> None:
-        """Finalize an attempt that raised or ran into its timeout (`ending`)."""
-        if ending is Ending.GIVEN_UP:
-            # The lease keeper wrote this task's outcome and what else the pass owed: stop.
-            self._given_up.wait()
-            return
+        """Finalize an attempt that raised: timed out if at or past its deadline."""
         task = running.task
-        # Timed out: stopped by the timer, or failed at its deadline (a handler that honours
-        # it ends there with an error of its own). A permanent error is the handler's verdict,
-        # also when the timer fired as it was raised (its exception then landed in `disarm`).
-        if not isinstance(raised, PermanentTaskError) and (
-            ending is Ending.STOPPED
-            or isinstance(raised, HandlerTimeout)
-            or (raised is not None and time.monotonic() >= running.deadline)
-        ):
-            if raised is None or isinstance(raised, HandlerTimeout):
-                detail = "stopped" if raised is not None else "stopped (the handler carried on)"
-            else:
-                detail = outcome.describe_error(raised)
+        # A handler that honours its deadline ends there with an error of its own (`sleep`'s
+        # TimeoutError, a webhook's shut socket). A permanent error is the handler's verdict.
+        if not isinstance(raised, PermanentTaskError) and time.monotonic() >= running.deadline:
             decision: outcome.Retry | outcome.Fail = outcome.timed_out(
                 timeout=running.timeout,
                 ran=seconds,
-                detail=detail,
+                detail=outcome.describe_error(raised),
                 attempt=task.attempts,
                 max_attempts=task.max_attempts,
                 backoff=self._backoff,
             )
             self.finalizer.settle(session, task, decision, seconds=seconds, exc=raised)
             return
-        assert isinstance(raised, Exception)  # else it was in time and raised nothing
         failed = outcome.decide(
             raised, attempt=task.attempts, max_attempts=task.max_attempts, backoff=self._backoff
         )

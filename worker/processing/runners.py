@@ -35,8 +35,8 @@ class Runners:
     """`size` threads that each run, on request, the same work as the caller's thread.
 
     `run` hands work to some of them and runs it on the caller's thread too; it returns once
-    every one of them is done. Threads are daemons: one blocked in a handler that could not
-    be stopped (`timeouts`) never keeps a process from exiting.
+    every one of them is done. Threads are daemons: one in a handler that overran its deadline
+    (`timeouts`) never keeps a process from exiting.
     """
 
     def __init__(self, size: int) -> None:

@@ -35,10 +35,9 @@ MSG_LEASE_EXPIRED = (
 )
 MSG_RELEASED = _TASK + " released unstarted, attempt %(attempt)d handed back"
 MSG_LEASE_LOST = _TASK + " attempt %(attempt)d: lease lost, %(action)s changed nothing"
-MSG_UNSTOPPABLE = (
+MSG_OVERRUN = (
     _TASK + " attempt %(attempt)d: handler still running %(duration_ms).0f ms after it started, "
-    "its timeout of %(timeout_s)gs long past, and not stopped within %(grace_s)gs of it; "
-    "giving up on it"
+    "%(grace_s)gs past its timeout of %(timeout_s)gs; timed out, its worker is to be replaced"
 )
 
 

@@ -62,10 +62,11 @@ class TaskContext(Generic[P]):
     `task_id` is the idempotency key for every side effect (design §1.1); `attempt` counts from 1.
     `timeout` is how long this attempt may run, in seconds (the task's `timeout_seconds`, or
     its type's default), and `deadline` when that is up, in `time.monotonic()` seconds; None
-    when the handler is called without one (tests). A handler still running at its deadline
-    is stopped (`worker.errors.HandlerTimeout`): one that waits on the network bounds each
-    wait by `within_timeout` instead, and fails cleanly. `payload` is the stored payload as
-    the type's schema loads it (`TaskType.load_payload`).
+    when the handler is called without one (tests). A handler ends by its deadline: one that
+    waits bounds each wait by `within_timeout` and fails cleanly there (a timeout). One still
+    running `worker.processing.timeouts.OVERRUN_GRACE_SECONDS` past it has overrun: its
+    attempt times out and its worker process is replaced, which is the only way it ends.
+    `payload` is the stored payload as the type's schema loads it (`TaskType.load_payload`).
     """
 
     task_id: uuid.UUID
