@@ -36,6 +36,7 @@ from sqlalchemy.engine import make_url
 
 from db.engine import make_engine
 from devtools.embedded_postgres import EmbeddedPostgres, free_port
+from worker import exporter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,15 +66,22 @@ def children_of(pid: int) -> list[int]:
     return sorted(found)
 
 
-def exporter_pids(supervisor_log: str) -> set[int]:
-    """The metrics exporters a supervisor forked, from its log (it logs each after the fork)."""
-    return {int(pid) for pid in re.findall(r"metrics exporter (\d+) serving", supervisor_log)}
+def exporter_of(supervisor: int) -> int | None:
+    """The metrics exporter among the children of `supervisor` (by its process name), or None."""
+    for child in children_of(supervisor):
+        try:
+            name = Path(f"/proc/{child}/comm").read_text().strip()
+        except OSError:  # gone meanwhile
+            continue
+        if name == exporter.PROCESS_NAME:
+            return child
+    return None
 
 
-def worker_children_of(pid: int, supervisor_log: str) -> list[int]:
+def worker_children_of(pid: int) -> list[int]:
     """Live worker children of supervisor `pid`: its children but its metrics exporter."""
-    exporters = exporter_pids(supervisor_log)
-    return [child for child in children_of(pid) if child not in exporters]
+    exporter_pid = exporter_of(pid)
+    return [child for child in children_of(pid) if child != exporter_pid]
 
 
 def parse_metrics(body: str) -> dict[str, float]:
@@ -256,7 +264,7 @@ class WorkerSupervisor(ManagedProcess):
 
     def children(self) -> list[int]:
         """Its live worker children right now (its metrics exporter left out)."""
-        return worker_children_of(self.pid, self.log())
+        return worker_children_of(self.pid)
 
     def wait_children(self, count: int, timeout: float = 30.0) -> list[int]:
         """Wait until it has `count` live children; return them."""

@@ -110,7 +110,7 @@ class RunningSupervisor:
 
     def children(self) -> list[int]:
         """Its live worker children right now (its metrics exporter left out)."""
-        pids = worker_children_of(self.pid, self.log())
+        pids = worker_children_of(self.pid)
         self.seen_children.update(pids)
         return pids
 

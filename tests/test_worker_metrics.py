@@ -15,7 +15,7 @@ import pytest
 import requests
 from sqlalchemy import Engine, text
 
-from devtools.stack import exporter_pids
+from devtools.stack import exporter_of
 from tests import supervisor_harness as harness
 from tests.factories import insert_company, insert_tasks
 from tests.supervisor_harness import StartSupervisor, wait_for
@@ -103,7 +103,8 @@ def test_a_killed_exporter_is_replaced_and_the_port_answers_again(
     children = sup.wait_children(1)
     base = f"http://127.0.0.1:{sup.port()}"
     wait_for(lambda: sup.metrics()["worker_children"] == 1, 10, "the first scrape")
-    (first,) = exporter_pids(sup.log())
+    first = exporter_of(sup.pid)
+    assert first is not None
 
     os.kill(first, signal.SIGKILL)
 
@@ -111,13 +112,15 @@ def test_a_killed_exporter_is_replaced_and_the_port_answers_again(
     scrape = requests.get(f"{base}/metrics", timeout=10)
     assert scrape.status_code == 200
     assert "worker_children 1.0" in scrape.text
-    assert exporter_pids(sup.log()) - {first}, "a second exporter"
+    second = wait_for(lambda: exporter_of(sup.pid), 5, "a second exporter")
+    assert second != first
     assert f"metrics exporter {first} exited" in sup.log()
     assert sup.children() == children, "worker children are not touched"
     assert sup.metrics().get("worker_child_restarts_total", 0) == 0
     sup.send(signal.SIGTERM)
     assert sup.wait(15) == 0
-    assert not any(harness.is_alive(pid) for pid in exporter_pids(sup.log()))
+    assert not harness.is_alive(first)
+    assert not harness.is_alive(second)
 
 
 def test_a_scraper_that_sends_nothing_holds_up_no_other(supervisor: StartSupervisor) -> None:
@@ -138,7 +141,7 @@ def test_the_exporter_exits_when_its_supervisor_is_killed(supervisor: StartSuper
     sup = supervisor("--concurrency", "1")
     sup.wait_children(1)
     sup.port()
-    (exporter,) = exporter_pids(sup.log())
+    exporter = wait_for(lambda: exporter_of(sup.pid), 5, "the exporter")
 
     os.kill(sup.pid, signal.SIGKILL)
 
