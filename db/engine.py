@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import psycopg
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -116,22 +116,23 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and exc.connection_invalidated
 
 
-# Where a statement sent to psycopg directly runs: a session (its connection, in its
-# transaction) or a psycopg connection itself (the API's request connection, in autocommit).
-Executor = Session | psycopg.Connection[Any]
+# What holds a psycopg connection: a session (its connection, in its transaction), a
+# SQLAlchemy connection, or the psycopg connection itself.
+Executor = Session | Connection | psycopg.Connection[Any]
 
 
 def driver_connection(where: Executor, *, transaction: bool = True) -> psycopg.Connection[Any]:
-    """The psycopg connection of `where`, for statements that need neither ORM nor Core.
+    """The psycopg connection of `where`, for the `db` functions, which take one.
 
-    The claim, the completions and the API's one-statement reads and writes go to psycopg
-    directly: SQLAlchemy's per-statement work was a fifth of a claim's time and of a task
-    create's (decisions 0002, 0005). Send them inside `driver_errors`. `transaction`:
+    For code that holds SQLAlchemy sessions or connections (tests, scripts, migrations'
+    checks): every runtime statement goes through psycopg (decision 0008). `transaction`:
     refuse a connection in autocommit (raises `RuntimeError`).
     """
     driver: object = where
     if isinstance(where, Session):
         driver = where.connection().connection.driver_connection
+    elif isinstance(where, Connection):
+        driver = where.connection.driver_connection
     assert isinstance(driver, psycopg.Connection)
     if transaction and driver.autocommit:
         # Each statement would be a transaction of its own: a lock or a pinned plan would
