@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from flask import Flask
 
 from api import auth, dashboard, database, errors, metrics
@@ -59,9 +61,9 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     dashboard.init_app(app, settings)
     metrics.init_app(
         app,
-        # The probe engine: unpooled with a short connect timeout, so a hung database
+        # The probe's connection: unpooled with a short connect timeout, so a hung database
         # delays a scrape by about two seconds, not the views' five plus a pool wait.
-        database.probe_engine_of(app),
+        functools.partial(database.probe_for, app.config["FAIRQ_PROBE"]),
         timeout_ms=settings.ready_timeout_ms,
         metrics_dir=settings.metrics_dir,
     )

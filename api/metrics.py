@@ -9,16 +9,17 @@ not leave the second one uninstrumented (docs/stack-notes.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from flask import Flask, Request
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_flask_exporter import PrometheusMetrics
-from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from db import statistics
@@ -74,13 +75,13 @@ class QueueCollector(Collector):
 
     def __init__(
         self,
-        engine: Engine,
+        connect: Callable[[], AbstractContextManager[psycopg.Connection[Any]]],
         timeout_ms: int,
         *,
         live_limit: int = statistics.LIVE_EXACT_LIMIT,
         terminal_limit: int = statistics.TERMINAL_EXACT_LIMIT,
     ) -> None:
-        self._engine = engine
+        self._connect = connect
         self._timeout_ms = int(timeout_ms)
         self._live_limit = live_limit
         self._terminal_limit = terminal_limit
@@ -92,7 +93,7 @@ class QueueCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """Yield the queue gauges, or nothing when the database is slow or down."""
         try:
-            with self._engine.connect() as conn, conn.begin():
+            with self._connect() as conn, conn.transaction():
                 statistics.limit_statement_time(conn, self._timeout_ms)
                 counts = statistics.tasks_by_status(
                     conn, live_limit=self._live_limit, terminal_limit=self._terminal_limit
@@ -155,7 +156,13 @@ class _Forward(Collector):
         yield from self._source.collect()
 
 
-def init_app(app: Flask, engine: Engine, *, timeout_ms: int, metrics_dir: Path | None) -> None:
+def init_app(
+    app: Flask,
+    connect: Callable[[], AbstractContextManager[psycopg.Connection[Any]]],
+    *,
+    timeout_ms: int,
+    metrics_dir: Path | None,
+) -> None:
     """Instrument `app` and serve `/metrics` on it.
 
     `metrics_dir`: `PROMETHEUS_MULTIPROC_DIR` (gunicorn), so scrapes aggregate the metric
@@ -167,7 +174,7 @@ def init_app(app: Flask, engine: Engine, *, timeout_ms: int, metrics_dir: Path |
     registry = CollectorRegistry()
     metrics = _Metrics(
         app,
-        QueueCollector(engine, timeout_ms),
+        QueueCollector(connect, timeout_ms),
         metrics_dir,
         path="/metrics",
         # Route templates, never raw paths: a path label would grow with every task id.

@@ -38,9 +38,8 @@ class Companies(MethodView):
     def post(self, body: dict[str, Any]) -> dict[str, Any]:
         """Create a company and return its API key (admin only)."""
         key = auth.new_api_key()
-        session = database.session()
         company = companies.create_company(
-            session,
+            database.connection(),
             name=body["name"],
             api_key_hash=auth.hash_api_key(key),
             weight=body["weight"],
@@ -49,7 +48,6 @@ class Companies(MethodView):
                 "max_pending", current_app.config["FAIRQ_SETTINGS"].default_max_pending
             ),
         )
-        session.commit()
         return {
             "id": company.id,
             "name": company.name,
@@ -73,7 +71,7 @@ class CompanyById(MethodView):
     @blp.error(404, "No such company, or not yours.")
     def get(self, company_id: uuid.UUID) -> Any:
         """Read a company (its own key, or the admin token)."""
-        return companies.get_company(database.session(), company_id)
+        return companies.get_company(database.connection(), company_id)
 
     @blp.doc(operationId="update_company")
     @auth.admin_required
@@ -91,10 +89,7 @@ class CompanyById(MethodView):
     @blp.error(503, "ADMIN_TOKEN is not configured.")
     def patch(self, body: dict[str, Any], company_id: uuid.UUID) -> Any:
         """Set a company's weight, max_in_flight and/or max_pending (admin only)."""
-        session = database.session()
-        company = companies.update_company_limits(session, company_id, **body)
-        session.commit()
-        return company
+        return companies.update_company_limits(database.connection(), company_id, **body)
 
 
 @blp.route("/<uuid:company_id>/pause")
@@ -115,10 +110,8 @@ class CompanyPause(MethodView):
         """
         # Several statements that must commit together (db.companies.pause_company): not the
         # request's session, whose statements each commit on their own.
-        with database.session_factory()() as session:
-            company = companies.pause_company(session, company_id)
-            session.commit()
-        return company
+        with database.transaction() as conn:
+            return companies.pause_company(conn, company_id)
 
 
 @blp.route("/<uuid:company_id>/resume")
@@ -138,11 +131,9 @@ class CompanyResume(MethodView):
         no catching up. Resuming a company that is not paused changes nothing.
         """
         # The update and the wake-up of idle workers (NOTIFY) commit together.
-        with database.session_factory()() as session:
-            company = companies.resume_company(
-                session,
+        with database.transaction() as conn:
+            return companies.resume_company(
+                conn,
                 company_id,
                 notify_channel=current_app.config["FAIRQ_SETTINGS"].notify_channel,
             )
-            session.commit()
-        return company

@@ -64,7 +64,7 @@ class Process(MethodView):
         """Claim, run and finalize one batch of tasks in this process (admin only)."""
         settings: ApiSettings = current_app.config["FAIRQ_SETTINGS"]
         return processing.run_pass(
-            database.session_factory(),
+            database.connection(),
             worker_id=f"{socket.gethostname()}:{os.getpid()}:api",
             settings=PassSettings(
                 stale_after=settings.stale_after_seconds, handler_config=settings.handler_config
