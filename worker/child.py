@@ -52,19 +52,19 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import psycopg
-from sqlalchemy import Engine, text
+from psycopg_pool import ConnectionPool
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import Session, sessionmaker
 
+from db import connector, maintenance, queue
 from db import engine as db_engine
 from db import errors as db_errors
-from db import maintenance, queue
+from db.engine import driver_errors
 from worker import backoff, liveness, wakeups
 from worker import logging as worker_logging
 from worker.settings import WorkerSettings
@@ -93,9 +93,6 @@ ORPHAN_POLL_SECONDS = 0.1
 # Backoff after a database error, and between attempts to re-LISTEN.
 RETRY_BACKOFF_MIN_SECONDS = 0.5
 RETRY_BACKOFF_MAX_SECONDS = 10.0
-
-# A pooled connection idle longer than this is pinged before use (`db.engine.make_engine`).
-PING_AFTER_IDLE_SECONDS = 1.0
 
 MAINTENANCE_INTERVAL_SECONDS = 60.0
 # One retention run stops after this long, so a large backlog does not stall processing.
@@ -161,8 +158,7 @@ class Child:
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
             os.set_blocking(fd, False)
-        self._engine: Engine | None = None
-        self._sessions: sessionmaker[Session] | None = None
+        self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
         self._metrics: metrics.TaskMetrics | None = None
         self._unwritten: processing.UnwrittenOutcomes | None = None
         self._sweep_schedule: processing.SweepSchedule | None = None
@@ -237,30 +233,29 @@ class Child:
         except Exception as exc:
             log.exception("importing the processing code failed")
             return f"cannot import the processing code: {exc!r}"
-        self._engine = db_engine.make_engine(
+        self._pool = connector.make_pool(
             self.settings.database_url,
             application_name=APPLICATION_NAME,
             statement_timeout_ms=processing.WORKER_STATEMENT_TIMEOUT_MS,
             transaction_pooling=self.settings.transaction_pooling,
             # One connection: a pass and its lease keeper share one, and nothing else runs
             # at the same time (README, "The worker supervisor": connections per child).
-            pool_size=1,
-            max_overflow=0,
-            # Not pinged on every pass's checkout, a round trip per batch: a busy child uses
-            # its connection all the time, and a dead one fails its pass's first statement,
-            # which the loop retries on a new connection (tests/test_outage.py).
-            ping_after_idle=PING_AFTER_IDLE_SECONDS,
+            # Pinged only after idling (`processing` database), not on every pass, a round
+            # trip per batch: a busy child uses its connection all the time, and a dead one
+            # fails its pass's first statement, which the loop retries on a new connection
+            # (tests/test_outage.py).
+            min_size=1,
+            max_size=1,
         )
-        self._sessions = db_engine.make_sessionmaker(self._engine)
         # A database that is restarting (a deploy, a failover) is waited out for
         # `boot_timeout`; one that answers without our tables is a boot error at once.
         deadline = time.monotonic() + self.settings.boot_timeout
         retries = backoff.Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
         while True:
             try:
-                with self._engine.connect() as conn:
+                with self._connection() as conn, driver_errors("boot"):
                     # The table the child works on: an unmigrated database is a boot error.
-                    conn.execute(text("SELECT 1 FROM tasks LIMIT 0"))
+                    conn.execute("SELECT 1 FROM tasks LIMIT 0")
                 self._take_back_leases(self.inherited.dead_holders)
                 break
             except DBAPIError as exc:
@@ -282,6 +277,17 @@ class Child:
             self._listen_retry_at = time.monotonic() + self._listen_backoff.next()
         return None
 
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """The child's pooled connection, for work outside a pass (boot, retention)."""
+        assert self._pool is not None
+        with driver_errors("connect"):
+            conn = connector.checkout(self._pool)
+        try:
+            yield conn
+        finally:
+            connector.checkin(self._pool, conn)
+
     def _take_back_leases(self, holders: Sequence[str]) -> None:
         """Put back in the queue the tasks dead children held (design §5, "Hung children").
 
@@ -290,10 +296,8 @@ class Child:
         """
         if not holders:
             return
-        assert self._sessions is not None
-        with self._sessions() as session:
-            expired = queue.expire_leases_of(session, holders)
-            session.commit()
+        with self._connection() as conn:
+            expired = queue.expire_leases_of(conn, holders)
         # One line per task, as the sweep of expired leases writes them.
         for task in expired:
             fields = {
@@ -323,8 +327,8 @@ class Child:
         if self._runners is not None:
             self._runners.close()
         self._listener.close()
-        if self._engine is not None:
-            self._engine.dispose()
+        if self._pool is not None:
+            self._pool.close()
         signal.set_wakeup_fd(-1)
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
@@ -383,9 +387,9 @@ class Child:
 
         if not self._unwritten:
             return
-        assert self._engine is not None
+        assert self._pool is not None
         try:
-            processing.write_unwritten(self._engine, self._unwritten, observer=self._metrics)
+            processing.write_unwritten(self._pool, self._unwritten, observer=self._metrics)
         except (DBAPIError, psycopg.Error) as exc:
             log.warning(
                 "stopping with %d completions and %d releases unwritten (%s); those tasks "
@@ -397,9 +401,9 @@ class Child:
         """Run one processing pass; return how many tasks it claimed."""
         from worker import processing  # noqa: PLC0415  (imported by _boot already)
 
-        assert self._engine is not None
+        assert self._pool is not None
         result = processing.run_pass(
-            self._engine,
+            self._pool,
             worker_id=self.worker_id,
             settings=self.settings,
             stop=self.should_stop,
@@ -494,13 +498,12 @@ class Child:
         self._next_maintenance = now + MAINTENANCE_INTERVAL_SECONDS
         if self.settings.retention_days <= 0:
             return
-        assert self._sessions is not None
         retention = self.settings.retention_days * 86400.0
         deleted = 0
         while not self.should_stop() and time.monotonic() - now < MAINTENANCE_BUDGET_SECONDS:
-            with self._sessions() as session:
-                count = maintenance.delete_expired_tasks(session, retention_seconds=retention)
-                session.commit()
+            # The retention lock lasts for the transaction: one per batch.
+            with self._connection() as conn, driver_errors("retention"), conn.transaction():
+                count = maintenance.delete_expired_tasks(conn, retention_seconds=retention)
             if count is None:  # another runner holds the lock
                 break
             deleted += count

@@ -11,8 +11,6 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from sqlalchemy.orm import Session
-
 from db import queue
 from worker.processing import outcome, task_log
 from worker.processing.completion_buffer import Completion, CompletionBuffer
@@ -57,7 +55,6 @@ class Finalizer:
 
     def settle(
         self,
-        session: Session,
         task: queue.ClaimedTask,
         decision: outcome.Retry | outcome.Fail,
         *,
@@ -71,15 +68,23 @@ class Finalizer:
         if isinstance(decision, outcome.Retry):
             retry = decision
             matched = self.db.write(
-                session,
-                lambda: queue.schedule_retry(
-                    session, task.id, task.lease_token, delay_seconds=retry.delay, error=retry.error
+                lambda conn: queue.schedule_retry(
+                    conn,
+                    task.id,
+                    task.lease_token,
+                    delay_seconds=retry.delay,
+                    error=retry.error,
                 ),
             )
         else:
             error = decision.error
             matched = self.db.write(
-                session, lambda: queue.fail_task(session, task.id, task.lease_token, error=error)
+                lambda conn: queue.fail_task(
+                    conn,
+                    task.id,
+                    task.lease_token,
+                    error=error,
+                ),
             )
         self.leases.let_go([task.id])
         match outcome.written(decision, matched=matched):
@@ -103,7 +108,7 @@ class Finalizer:
         self.counter.add(count)
         observe(task.type, seconds)
 
-    def flush_completions(self, session: Session, *, force: bool) -> None:
+    def flush_completions(self, *, force: bool) -> None:
         """Write buffered completions in one fenced statement: all, or if not `force` those due.
 
         On an error they stay buffered for the next flush, and the error propagates.
@@ -116,7 +121,7 @@ class Finalizer:
         results = [d.result for d in done] if any(d.result is not None for d in done) else None
         try:
             completed = self.db.write(
-                session, lambda: queue.complete_tasks(session, leases, results)
+                lambda conn: queue.complete_tasks(conn, leases, results),
             )
         except BaseException:
             self.completions.put_back(done)
@@ -142,7 +147,7 @@ class Finalizer:
         for task_type, seconds in durations.items():
             self.observer.completed(task_type, seconds)
 
-    def release(self, session: Session, tasks: Sequence[queue.ClaimedTask]) -> None:
+    def release(self, tasks: Sequence[queue.ClaimedTask]) -> None:
         """Hand back `tasks`, whose handlers never started, with their attempt (design §4).
 
         A lease the lease keeper already found taken over is not ours to release: it is
@@ -154,7 +159,7 @@ class Finalizer:
         if not mine:
             return
         released = self.db.write(
-            session, lambda: queue.release_tasks(session, [t.lease for t in mine])
+            lambda conn: queue.release_tasks(conn, [t.lease for t in mine]),
         )
         self.leases.let_go(task.id for task in mine)
         self.counter.add(PassResult(released=len(released)))

@@ -11,8 +11,6 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 
-from sqlalchemy.orm import Session
-
 from db import queue
 from worker.processing.database import PassDatabase
 from worker.processing.task_log import log
@@ -69,14 +67,14 @@ class HeldLeases:
                 self._held.pop(task.id, None)
             return lost, [t for t in tasks if t.id in self._held]
 
-    def heartbeat(self, db: PassDatabase, session: Session) -> None:
+    def heartbeat(self, db: PassDatabase) -> None:
         """Refresh every held lease; remember the ones found taken over."""
         with self._lock:
             leases = list(self._held.values())
         if not leases:
             return
         leased_at = time.monotonic()
-        refreshed = db.write(session, lambda: queue.heartbeat(session, leases))
+        refreshed = db.write(lambda conn: queue.heartbeat(conn, leases))
         self.confirmed_at = leased_at
         lost = {lease.task_id for lease in leases} - refreshed
         if lost:

@@ -13,8 +13,6 @@ import threading
 import time
 from typing import Protocol
 
-from sqlalchemy.orm import Session
-
 from db import engine as db_engine
 from worker import logging as worker_logging
 from worker.processing.task_log import log
@@ -33,17 +31,13 @@ class KeptPass(Protocol):
         """Seconds between two heartbeats."""
         ...
 
-    def new_session(self) -> Session:
-        """A session of the pass's database for the keeper's calls."""
-        ...
-
-    def heartbeat(self, session: Session) -> None:
+    def heartbeat(self) -> None:
         """Refresh every lease the pass holds."""
 
-    def flush_due_completions(self, session: Session) -> None:
+    def flush_due_completions(self) -> None:
         """Write the completions that have waited long enough."""
 
-    def stop_overdue_handler(self, session: Session) -> None:
+    def stop_overdue_handler(self) -> None:
         """Stop each handler running past its timeout; give up on one after the grace."""
 
 
@@ -60,7 +54,6 @@ class LeaseKeeper:
         # `detach` waits for the database call in flight, if any.
         self._lock = threading.Condition()
         self._owner: KeptPass | None = None
-        self._session: Session | None = None
         self._next_beat = 0.0
         self._closed = False
         self._quiet_until = 0.0  # time.monotonic() before which transient errors are counted
@@ -81,9 +74,6 @@ class LeaseKeeper:
         """Stop working for the attached pass; return once no call for it is in flight."""
         with self._lock:
             self._owner = None
-            if self._session is not None:
-                self._session.close()
-                self._session = None
 
     def close(self) -> None:
         """Stop and wait for the thread."""
@@ -105,13 +95,11 @@ class LeaseKeeper:
     def _tick(self, owner: KeptPass) -> None:
         # Whatever fails, the thread goes on: it serves every later pass of the child too.
         try:
-            if self._session is None:
-                self._session = owner.new_session()
-            owner.stop_overdue_handler(self._session)
+            owner.stop_overdue_handler()
             if time.monotonic() >= self._next_beat:
                 self._next_beat = time.monotonic() + owner.heartbeat_interval
-                owner.heartbeat(self._session)
-            owner.flush_due_completions(self._session)
+                owner.heartbeat()
+            owner.flush_due_completions()
             # Lines of a pass of slow tasks must not wait for the end of the pass.
             worker_logging.write_due()
         except Exception as exc:

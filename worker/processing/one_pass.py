@@ -14,15 +14,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 
-from sqlalchemy.orm import Session
-
 from db import queue
 from worker import backoff, tasktypes
 from worker import logging as worker_logging
 from worker.errors import HandlerTimeout, PermanentTaskError
 from worker.processing import database, outcome, sweep, task_log, task_result, timeouts
 from worker.processing.completion_buffer import Completion
-from worker.processing.database import PassDatabase, SessionSource
+from worker.processing.database import ConnectionSource, PassDatabase
 from worker.processing.finalize import Finalizer
 from worker.processing.held_leases import HeldLeases
 from worker.processing.lease_keeper import LeaseKeeper
@@ -59,7 +57,7 @@ class _Hand:
 
 
 def run_pass(
-    sessions: SessionSource,
+    source: ConnectionSource,
     *,
     worker_id: str,
     settings: PassSettings | None = None,
@@ -74,11 +72,11 @@ def run_pass(
 ) -> PassResult:
     """Run one pass: sweep, claim up to `settings.batch_size` tasks, run and finalize each.
 
-    `sessions` is a session factory, or an engine: then the pass holds one of its connections
-    throughout and writes single statements in autocommit (`database`). `worker_id` is stored
-    in `locked_by` (`host:pid`). The sweep runs when `sweep_schedule` says it is due, or every
-    pass without one. `stop` is checked before the claim and before each task: once set, no
-    task starts, the running ones finish, the unstarted rest of the batch is released
+    `source` is a pool, whose connection the pass holds throughout, or a connection (the
+    API's); the pass writes single statements on it, in autocommit (`database`). `worker_id`
+    is stored in `locked_by` (`host:pid`). The sweep runs when `sweep_schedule` says it is
+    due, or every pass without one. `stop` is checked before the claim and before each task:
+    once set, no task starts, the running ones finish, the unstarted rest of the batch is released
     (design §4 Release) and the pass returns. A handler's `Exception` never escapes:
     `outcome.decide` completes, retries or fails the task. A `BaseException`
     (KeyboardInterrupt, SystemExit) propagates once the running handlers returned, after
@@ -106,7 +104,7 @@ def run_pass(
     `keeper` is a lease keeper to attach the pass to; without one the pass starts its own.
     `runners`: runner threads to use (at most `settings.threads - 1` of them are).
     """
-    with worker_logging.batched(), database.opened(sessions) as db:
+    with worker_logging.batched(), database.opened(source) as db:
         return ProcessingPass(
             db,
             worker_id=worker_id,
@@ -123,7 +121,7 @@ def run_pass(
 
 
 def write_unwritten(
-    sessions: SessionSource, unwritten: UnwrittenOutcomes, *, observer: PassObserver | None = None
+    source: ConnectionSource, unwritten: UnwrittenOutcomes, *, observer: PassObserver | None = None
 ) -> PassResult:
     """Write what `unwritten` holds (completions, releases), claiming nothing; return the counts.
 
@@ -132,7 +130,7 @@ def write_unwritten(
     """
     if not unwritten:
         return PassResult()
-    with worker_logging.batched(), database.opened(sessions) as db:
+    with worker_logging.batched(), database.opened(source) as db:
         state = ProcessingPass(
             db,
             worker_id="",
@@ -142,8 +140,7 @@ def write_unwritten(
             rng=None,
             unwritten=unwritten,
         )
-        with db.session() as session:
-            state.write_unwritten(session)
+        state.write_unwritten()
         return state.counter.result()
 
 
@@ -214,30 +211,26 @@ class ProcessingPass:
 
     # -- for the lease keeper (`lease_keeper.KeptPass`) -----------------------------------
 
-    def new_session(self) -> Session:
-        """A session of the pass's database."""
-        return self.db.session()
-
-    def heartbeat(self, session: Session) -> None:
+    def heartbeat(self) -> None:
         """Refresh every held lease; remember the ones found taken over."""
-        self.leases.heartbeat(self.db, session)
+        self.leases.heartbeat(self.db)
 
-    def flush_due_completions(self, session: Session) -> None:
+    def flush_due_completions(self) -> None:
         """Write the completions that have waited long enough."""
-        self.finalizer.flush_completions(session, force=False)
+        self.finalizer.flush_completions(force=False)
 
-    def stop_overdue_handler(self, session: Session) -> None:
+    def stop_overdue_handler(self) -> None:
         """Stop each handler running past its timeout; give up on one after the grace."""
         now = time.monotonic()
         for hand in self._hands:
             overdue = hand.timer.check(now)
             if overdue is not None:
                 hand.given_up = True
-                self._give_up(session, overdue)
+                self._give_up(overdue)
         if self._stuck and not self._reported:
-            self._report_stuck(session)
+            self._report_stuck()
 
-    def _give_up(self, session: Session, running: timeouts.Running) -> None:
+    def _give_up(self, running: timeouts.Running) -> None:
         """Write what the pass owes, a handler it cannot stop still running.
 
         In the lease keeper's thread; that handler's runner is in it (or waits for this to
@@ -266,9 +259,9 @@ class ProcessingPass:
                 max_attempts=task.max_attempts,
                 backoff=self._backoff,
             )
-            self.finalizer.settle(session, task, decision, seconds=ran)
-            self.finalizer.flush_completions(session, force=True)
-            self.finalizer.release(session, unstarted)
+            self.finalizer.settle(task, decision, seconds=ran)
+            self.finalizer.flush_completions(force=True)
+            self.finalizer.release(unstarted)
             unstarted = []
         except Exception as exc:
             # Left for the pass's thread, should the handler return (completions stay
@@ -284,9 +277,9 @@ class ProcessingPass:
         finally:
             self._stuck.append(timeouts.Unstoppable(task, running.timeout, ran))
             self._given_up.set()
-        self._report_stuck(session)
+        self._report_stuck()
 
-    def _report_stuck(self, session: Session) -> None:
+    def _report_stuck(self) -> None:
         """Tell `on_unstoppable` of the first handler given up on, once no other one runs.
 
         In the lease keeper's thread, which meanwhile goes on stopping the other handlers at
@@ -298,7 +291,7 @@ class ProcessingPass:
         self._reported = True
         first = self._stuck[0]
         try:
-            self.finalizer.flush_completions(session, force=True)
+            self.finalizer.flush_completions(force=True)
         except Exception as exc:
             log.warning(
                 "could not write the last completions of the pass that gave up on task %s "
@@ -313,32 +306,31 @@ class ProcessingPass:
 
     def run(self) -> PassResult:
         """Run the pass; return what it did."""
-        with self.db.session() as session:
-            # Before the claim: a task whose completion is unwritten is never claimed again.
-            self.write_unwritten(session)
-            if self.sweep_schedule is None or self.sweep_schedule.due():
-                sweep.sweep_expired_leases(
-                    self.db, session,
-                    stale_after=self.settings.stale_after, schedule=self.sweep_schedule,
-                    counter=self.counter, observer=self.observer,
-                )  # fmt: skip
-            if self.stop():
-                return self.counter.result()
-            batch, leases = self._claim(session)
-            if not batch:
-                return self.counter.result()
-            keeper = self.keeper or LeaseKeeper()
-            keeper.attach(self)
-            try:
-                self._run_batch(session, batch, leases)
-            except BaseException:
-                self._detach(keeper)
-                # The error in flight matters more than a second one from the database.
-                with contextlib.suppress(Exception):
-                    self._finish(session)
-                raise
+        # Before the claim: a task whose completion is unwritten is never claimed again.
+        self.write_unwritten()
+        if self.sweep_schedule is None or self.sweep_schedule.due():
+            sweep.sweep_expired_leases(
+                self.db,
+                stale_after=self.settings.stale_after, schedule=self.sweep_schedule,
+                counter=self.counter, observer=self.observer,
+            )  # fmt: skip
+        if self.stop():
+            return self.counter.result()
+        batch, leases = self._claim()
+        if not batch:
+            return self.counter.result()
+        keeper = self.keeper or LeaseKeeper()
+        keeper.attach(self)
+        try:
+            self._run_batch(batch, leases)
+        except BaseException:
             self._detach(keeper)
-            self._finish(session)
+            # The error in flight matters more than a second one from the database.
+            with contextlib.suppress(Exception):
+                self._finish()
+            raise
+        self._detach(keeper)
+        self._finish()
         return self.counter.result()
 
     def _detach(self, keeper: LeaseKeeper) -> None:
@@ -346,7 +338,7 @@ class ProcessingPass:
         if keeper is not self.keeper:  # started for this pass
             keeper.close()
 
-    def write_unwritten(self, session: Session) -> None:
+    def write_unwritten(self) -> None:
         """Write what earlier passes left unwritten; raise, keeping it, on failure."""
         if not self.unwritten:
             return
@@ -361,9 +353,9 @@ class ProcessingPass:
             extra={"event": "tasks.owed", "completions": len(completions),
                    "releases": len(releases)},
         )  # fmt: skip
-        self._finish(session)
+        self._finish()
 
-    def _finish(self, session: Session) -> None:
+    def _finish(self) -> None:
         """Write every buffered completion and release every unstarted task.
 
         No handler starts after it. On a database error what is still unwritten goes to
@@ -371,8 +363,8 @@ class ProcessingPass:
         """
         unstarted = self._take_unstarted()
         try:
-            self.finalizer.flush_completions(session, force=True)
-            self.finalizer.release(session, unstarted)
+            self.finalizer.flush_completions(force=True)
+            self.finalizer.release(unstarted)
         except BaseException as exc:
             completions = self.finalizer.completions.take()
             unstarted = [t for t in unstarted if self.leases.holds(t.id)]
@@ -399,7 +391,7 @@ class ProcessingPass:
             extra={"event": "tasks.owed_dropped", **counts},
         )  # fmt: skip
 
-    def _claim(self, session: Session) -> tuple[list[queue.ClaimedTask], list[queue.Lease]]:
+    def _claim(self) -> tuple[list[queue.ClaimedTask], list[queue.Lease]]:
         """Claim a batch and hold its leases; return the batch and its leases, in order."""
         # Taken before the statement: the leases' locked_at (its statement_timestamp()) is no
         # earlier.
@@ -409,9 +401,8 @@ class ProcessingPass:
         # written again on a lost connection: a claim that did commit would leave its batch
         # to lease expiry and claim another.
         batch = self.db.write(
-            session,
-            lambda: queue.claim(
-                session, worker_id=self.worker_id, batch_size=self.settings.batch_size
+            lambda conn: queue.claim(
+                conn, worker_id=self.worker_id, batch_size=self.settings.batch_size
             ),
             retry=False,
         )
@@ -430,9 +421,7 @@ class ProcessingPass:
             )  # fmt: skip
         return batch, leases
 
-    def _run_batch(
-        self, session: Session, batch: Sequence[queue.ClaimedTask], leases: Sequence[queue.Lease]
-    ) -> None:
+    def _run_batch(self, batch: Sequence[queue.ClaimedTask], leases: Sequence[queue.Lease]) -> None:
         """Run the batch's tasks in claim order, up to `settings.threads` at once.
 
         Until every task ran or the pass stops. Whatever ends it (the stop flag;
@@ -449,21 +438,20 @@ class ProcessingPass:
         if self.runners is not None:
             helpers = min(helpers, self.runners.size)
         if helpers <= 0:
-            self._run_tasks(session, tasks)
+            self._run_tasks(tasks)
             return
         runners = self.runners or Runners(helpers)
         try:
-            runners.run(lambda: self._run_tasks(session, tasks), lambda: self._help(tasks), helpers)
+            runners.run(lambda: self._run_tasks(tasks), lambda: self._help(tasks), helpers)
         finally:
             if runners is not self.runners:  # started for this pass
                 runners.close()
 
     def _help(self, tasks: _Batch) -> None:
-        """`_run_tasks` on a runner thread, with a session of its own."""
-        with self.db.session() as session:
-            self._run_tasks(session, tasks)
+        """`_run_tasks` on a runner thread."""
+        self._run_tasks(tasks)
 
-    def _run_tasks(self, session: Session, tasks: _Batch) -> None:
+    def _run_tasks(self, tasks: _Batch) -> None:
         """Take the batch's next task and run it, until none is left or no task may start.
 
         On the calling thread; `tasks` is shared with the pass's other runners, if any (a
@@ -479,14 +467,14 @@ class ProcessingPass:
             for task, lease in tasks:
                 if self._closed or self.stop():
                     return  # the task taken stays unstarted: `run` releases it
-                self._confirm_leases(session)
+                self._confirm_leases()
                 if self.leases.any_lost and self.leases.take_lost(task.id):
                     self._unstarted.pop(task.id, None)
                     self.finalizer.lease_lost(task, "start")
                     continue
                 task_type = tasktypes.get(task.type)
                 if task_type is None:
-                    self._fail_unknown_type(session, task)
+                    self._fail_unknown_type(task)
                     continue
                 # Busy before the task is ours: `_report_stuck`, which reads it after taking
                 # every unstarted task, then counts this one as running if it may be.
@@ -495,7 +483,7 @@ class ProcessingPass:
                     if self._unstarted.pop(task.id, None) is None:
                         return  # handed back by `_give_up` meanwhile
                     # From here on the task may have side effects: never released.
-                    self._run_one(session, task, lease, task_type, timer)
+                    self._run_one(task, lease, task_type, timer)
                 finally:
                     hand.busy = False
         except BaseException:
@@ -517,28 +505,27 @@ class ProcessingPass:
                 taken.reverse()  # popitem takes the last first: back in claim order
                 return taken
 
-    def _fail_unknown_type(self, session: Session, task: queue.ClaimedTask) -> None:
+    def _fail_unknown_type(self, task: queue.ClaimedTask) -> None:
         """Fail `task`, of a type no handler is registered for, unless handed back already."""
         if self._unstarted.pop(task.id, None) is None:
             return  # handed back by `_give_up` meanwhile
         failed = outcome.unknown_type(task.type, tasktypes.names())
         try:
-            self.finalizer.settle(session, task, failed, seconds=None)
+            self.finalizer.settle(task, failed, seconds=None)
         except BaseException:
             # Still unstarted while the write may fail: then it is released, not stranded.
             self._unstarted[task.id] = task
             raise
 
-    def _confirm_leases(self, session: Session) -> None:
+    def _confirm_leases(self) -> None:
         # The keeper refreshes leases in the background; if it has fallen behind (database
         # hiccup), find out which leases are still ours before starting anything, or a task
         # another worker took over could run twice at once (design §1.2).
         if time.monotonic() - self.leases.confirmed_at > self.settings.stale_after / 2:
-            self.heartbeat(session)
+            self.heartbeat()
 
     def _run_one(
         self,
-        session: Session,
         task: queue.ClaimedTask,
         lease: queue.Lease,
         task_type: TaskType,
@@ -576,16 +563,15 @@ class ProcessingPass:
             if returned is None:
                 self.finalizer.complete(task, lease, seconds)
             else:
-                self._complete_with_result(session, task, lease, returned, seconds)
+                self._complete_with_result(task, lease, returned, seconds)
             return
         self._finalize_failure(
-            session, timeouts.Running(task, timeout, started),
+            timeouts.Running(task, timeout, started),
             ending=ending, raised=raised, seconds=seconds,
         )  # fmt: skip
 
     def _complete_with_result(
         self,
-        session: Session,
         task: queue.ClaimedTask,
         lease: queue.Lease,
         returned: JsonValue,
@@ -594,15 +580,12 @@ class ProcessingPass:
         try:
             result = task_result.encode(returned)
         except task_result.UnstorableResult as exc:
-            self.finalizer.settle(
-                session, task, outcome.unstorable_result(str(exc)), seconds=seconds
-            )
+            self.finalizer.settle(task, outcome.unstorable_result(str(exc)), seconds=seconds)
             return
         self.finalizer.complete(task, lease, seconds, result)
 
     def _finalize_failure(
         self,
-        session: Session,
         running: timeouts.Running,
         *,
         ending: Ending,
@@ -635,14 +618,14 @@ class ProcessingPass:
                 max_attempts=task.max_attempts,
                 backoff=self._backoff,
             )
-            self.finalizer.settle(session, task, decision, seconds=seconds, exc=raised)
+            self.finalizer.settle(task, decision, seconds=seconds, exc=raised)
             return
         assert isinstance(raised, Exception)  # else it was in time and raised nothing
         failed = outcome.decide(
             raised, attempt=task.attempts, max_attempts=task.max_attempts, backoff=self._backoff
         )
         assert not isinstance(failed, outcome.Complete)
-        self.finalizer.settle(session, task, failed, seconds=seconds, exc=raised)
+        self.finalizer.settle(task, failed, seconds=seconds, exc=raised)
 
     def _backoff(self, attempt: int) -> float:
         return backoff.delay(attempt, rng=self.rng)

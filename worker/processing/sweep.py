@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy.orm import Session
-
 from db import queue
 from worker.processing import task_log
 from worker.processing.database import PassDatabase
@@ -50,7 +48,6 @@ class SweepSchedule:
 
 def sweep_expired_leases(
     db: PassDatabase,
-    session: Session,
     *,
     stale_after: float,
     schedule: SweepSchedule | None,
@@ -59,7 +56,11 @@ def sweep_expired_leases(
 ) -> None:
     """Take back leases not refreshed for `stale_after` seconds; fail the poison pills."""
     expired = db.write(
-        session, lambda: queue.expire_leases(session, stale_after=stale_after, limit=SWEEP_LIMIT)
+        lambda conn: queue.expire_leases(
+            conn,
+            stale_after=stale_after,
+            limit=SWEEP_LIMIT,
+        ),
     )
     # A full sweep may have left more behind (a mass crash): sweep again next pass.
     if schedule is not None and len(expired) < SWEEP_LIMIT:
