@@ -23,6 +23,7 @@ from werkzeug.test import TestResponse
 
 from api import auth
 from db import companies
+from db.engine import driver_connection
 from db.models import Task
 
 
@@ -62,7 +63,11 @@ def insert_company(db: Target, name: str = "acme") -> CompanyWithKey:
     """Store a company with a fresh key, then commit."""
     key = auth.new_api_key()
     with session_of(db) as session:
-        company = companies.create_company(session, name=name, api_key_hash=auth.hash_api_key(key))
+        company = companies.create_company(
+            driver_connection(session, transaction=False),
+            name=name,
+            api_key_hash=auth.hash_api_key(key),
+        )
         session.commit()
         return CompanyWithKey(company.id, company.name, key)
 
@@ -249,7 +254,7 @@ def insert_weighted_company(
     """Store a company with this `weight` and `max_in_flight` (None: unlimited); commit."""
     key = auth.new_api_key()
     company = companies.create_company(
-        session,
+        driver_connection(session, transaction=False),
         name=name,
         api_key_hash=auth.hash_api_key(key),
         weight=weight,

@@ -40,7 +40,7 @@ STALE = 300.0
 def claim(session: Session, **overrides: Any) -> list[queue.ClaimedTask]:
     """Claim with test defaults (worker "test:1", batch 100), then commit."""
     params: dict[str, Any] = {"worker_id": "test:1", "batch_size": 100, **overrides}
-    batch = queue.claim(session, **params)
+    batch = queue.claim(driver_connection(session, transaction=False), **params)
     session.commit()
     return batch
 
@@ -114,7 +114,9 @@ def test_an_expired_lease_is_requeued_then_claimed_keeping_started_at_and_attemp
     )
     lease_start = fetch(db_session, stale.id)["locked_at"]
 
-    [expired] = queue.expire_leases(db_session, stale_after=STALE)
+    [expired] = queue.expire_leases(
+        driver_connection(db_session, transaction=False), stale_after=STALE
+    )
     db_session.commit()
 
     assert (expired.id, expired.attempts, expired.locked_by, expired.failed) == (
@@ -151,7 +153,9 @@ def test_an_expired_lease_without_attempts_left_is_failed_not_claimed(
         locked_at=text("now() - interval '1 hour'"),
     )
 
-    [expired] = queue.expire_leases(db_session, stale_after=STALE)
+    [expired] = queue.expire_leases(
+        driver_connection(db_session, transaction=False), stale_after=STALE
+    )
     db_session.commit()
 
     assert (expired.id, expired.failed) == (pill.id, True)
@@ -178,10 +182,17 @@ def test_expire_leases_takes_back_at_most_limit_leases_oldest_first(
         for minutes in (30, 20, 10)
     ]
 
-    first = queue.expire_leases(db_session, stale_after=STALE, limit=2)
+    first = queue.expire_leases(
+        driver_connection(db_session, transaction=False), stale_after=STALE, limit=2
+    )
 
     assert {e.id for e in first} == set(leases[:2])
-    assert [e.id for e in queue.expire_leases(db_session, stale_after=STALE)] == leases[2:]
+    assert [
+        e.id
+        for e in queue.expire_leases(
+            driver_connection(db_session, transaction=False), stale_after=STALE
+        )
+    ] == leases[2:]
 
 
 def test_claim_turns_jit_off_for_its_own_statements_only(
@@ -231,7 +242,14 @@ def test_claim_leaves_the_callers_planner_settings_as_they_were(
             text("SELECT set_config(:name, :value, true)"), {"name": name, "value": value}
         )
 
-    assert len(queue.claim(db_session, worker_id="t", batch_size=1)) == 1
+    assert (
+        len(
+            queue.claim(
+                driver_connection(db_session, transaction=False), worker_id="t", batch_size=1
+            )
+        )
+        == 1
+    )
 
     after = {
         name: db_session.execute(text("SELECT current_setting(:name)"), {"name": name}).scalar_one()
@@ -301,7 +319,9 @@ def test_a_claim_given_commit_ends_its_transaction_before_it_hands_out_the_batch
             insert_tasks(setup, company.id, 2 if n == 1 else 60)
     with sessions() as claimer, fresh_engine.connect() as other:
         # The reference: the same claim, rolled back.
-        reference = queue.claim(claimer, worker_id="test:1", batch_size=100)
+        reference = queue.claim(
+            driver_connection(claimer, transaction=False), worker_id="test:1", batch_size=100
+        )
         claimer.rollback()
         commits: list[int] = []
 
@@ -309,7 +329,12 @@ def test_a_claim_given_commit_ends_its_transaction_before_it_hands_out_the_batch
             claimer.commit()
             commits.append(len(commits))
 
-        batch = queue.claim(claimer, worker_id="test:1", batch_size=100, commit=commit)
+        batch = queue.claim(
+            driver_connection(claimer, transaction=False),
+            worker_id="test:1",
+            batch_size=100,
+            commit=commit,
+        )
 
         assert commits == [0]
         assert other.execute(
@@ -358,7 +383,12 @@ def test_a_retried_task_queues_behind_work_that_became_eligible_before_it(
         created_at=ago(90),
         run_after=ago(90),
     ).id
-    assert [e.id for e in queue.expire_leases(db_session, stale_after=STALE)] == [stale]
+    assert [
+        e.id
+        for e in queue.expire_leases(
+            driver_connection(db_session, transaction=False), stale_after=STALE
+        )
+    ] == [stale]
 
     # Turn 1: A's a1 (eligible 60 minutes), B's requeued task (20).
     assert [t.id for t in claim(db_session, batch_size=2)] == [a1, stale]
@@ -635,7 +665,9 @@ def test_a_claim_runs_to_the_end_while_another_claim_is_in_flight(fresh_engine: 
     sessions = make_sessionmaker(fresh_engine)
     _thirty_companies_in_the_ring(sessions)
     with sessions() as first, sessions() as second:
-        in_flight = queue.claim(first, worker_id="first:1", batch_size=100)
+        in_flight = queue.claim(
+            driver_connection(first, transaction=False), worker_id="first:1", batch_size=100
+        )
         second.execute(text("SET LOCAL lock_timeout = '2s'"))
         batches = [in_flight, claim(second, worker_id="second:1")]
         first.commit()
@@ -726,10 +758,12 @@ def _interfere(kind: str, session: Session, task: uuid.UUID, company: uuid.UUID)
     if kind == "another claimer":
         # Another claim, the real one, also while the gated claimer runs the naive one: its
         # stretch of the ring is the company again, whose W the gated claim holds.
-        taken = queue.claim(session, worker_id="other:1", batch_size=1)
+        taken = queue.claim(
+            driver_connection(session, transaction=False), worker_id="other:1", batch_size=1
+        )
         assert [t.id for t in taken] == [task]
     else:
-        queue.cancel_task(session, company, task)
+        queue.cancel_task(driver_connection(session, transaction=False), company, task)
     session.commit()
 
 

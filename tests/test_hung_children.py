@@ -17,6 +17,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from db import queue
+from db.engine import driver_connection
 from tests import supervisor_harness as harness
 from tests.factories import MakeCompany, MakeTask, insert_company, insert_tasks
 from tests.supervisor_harness import StartSupervisor, wait_for
@@ -172,7 +173,12 @@ def test_expire_leases_of_takes_back_only_the_dead_holders_leases(
     other = claimed_task(company, locked_by="host:2")
     done = make_task(company, status="completed")
 
-    expired = {e.id: e for e in queue.expire_leases_of(db_session, ["host:1", "host:9"])}
+    expired = {
+        e.id: e
+        for e in queue.expire_leases_of(
+            driver_connection(db_session, transaction=False), ["host:1", "host:9"]
+        )
+    }
 
     assert set(expired) == {running.id, poison.id}
     assert expired[running.id].locked_by == "host:1"
@@ -204,5 +210,11 @@ def test_expire_leases_of_takes_back_only_the_dead_holders_leases(
     assert rows[done.id].status == "completed"
     # A late write of the dead holder, fenced by its old token, changes nothing.
     assert running.lease_token is not None
-    assert queue.complete_tasks(db_session, [queue.Lease(running.id, running.lease_token)]) == set()
-    assert queue.expire_leases_of(db_session, []) == []
+    assert (
+        queue.complete_tasks(
+            driver_connection(db_session, transaction=False),
+            [queue.Lease(running.id, running.lease_token)],
+        )
+        == set()
+    )
+    assert queue.expire_leases_of(driver_connection(db_session, transaction=False), []) == []
