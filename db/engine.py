@@ -1,4 +1,9 @@
-"""Engine and session construction: the only place that calls `create_engine`."""
+"""SQLAlchemy engines and sessions (tests, scripts, devtools; Alembic has its own), and the
+one translation of driver errors (`driver_errors`, `is_transient`).
+
+Runtime statements go through `db.connector`'s psycopg connections (decision 0008); this is
+the only place that calls `create_engine`.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +17,7 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-# libpq parameters of every connection (psycopg passes them through). Without them a call on
-# a black-holed network (a failover, a dropped route) blocks for the kernel's retransmission
-# timeout, about 15 minutes: keepalives notice a dead idle peer after 10 + 3 * 5 s, and
-# tcp_user_timeout (ms) bounds how long sent data may stay unacknowledged.
-TCP_ARGS: dict[str, int] = {
-    "keepalives": 1,
-    "keepalives_idle": 10,
-    "keepalives_interval": 5,
-    "keepalives_count": 3,
-    "tcp_user_timeout": 30_000,
-}
+from db.connector import TCP_ARGS
 
 
 def make_engine(
