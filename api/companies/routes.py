@@ -108,8 +108,7 @@ class CompanyPause(MethodView):
         claims another of its tasks. Tasks already running finish; one retried or whose
         worker was lost waits. Pausing a paused company changes nothing.
         """
-        # Several statements that must commit together (db.companies.pause_company): not the
-        # request's session, whose statements each commit on their own.
+        # Several statements that must commit together (db.companies.pause_company).
         with database.transaction() as conn:
             return companies.pause_company(conn, company_id)
 

@@ -1,6 +1,6 @@
 """/companies/{companyId}/stats and /stats: task statistics, each one `db.tenant_stats` call.
 
-Read in a transaction of their own (the request session commits statement by statement),
+Read in a transaction of their own (`database.transaction()`),
 under `STATS_TIMEOUT_MS` per statement: a statistics query that runs past it is a 503 saying
 so, with `Retry-After`, never a 500 and never a request that holds a connection for long.
 """
