@@ -121,7 +121,8 @@ def make_pool(
     transaction_pooling: bool = False,
     connect_timeout: int = CONNECT_TIMEOUT_SECONDS,
 ) -> ConnectionPool[psycopg.Connection[Any]]:
-    """An open pool of connections as `connect` makes them, in autocommit.
+    """A pool of connections as `connect` makes them, in autocommit; opened by its first
+    `checkout` (an app or a process that never queries never connects).
 
     `min_size` connections are kept open, up to `max_size` at busy times; they are opened in
     the background, retried while the server is down. Take and give back its connections
@@ -137,7 +138,7 @@ def make_pool(
         ),
         min_size=min_size,
         max_size=max_size,
-        open=True,
+        open=False,
         configure=_configure,
         name=application_name,
         timeout=POOL_WAIT_SECONDS,
@@ -168,6 +169,7 @@ def checkout(
     Raises `psycopg_pool.PoolTimeout` after `POOL_WAIT_SECONDS` without a connection (the
     server is down, or the pool is exhausted).
     """
+    pool.open()  # once; then a no-op
     conn = pool.getconn()
     since = _IDLE_SINCE.pop(conn, None)
     if since is None or time.monotonic() - since <= ping_after_idle:

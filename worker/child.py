@@ -253,7 +253,16 @@ class Child:
         retries = backoff.Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
         while True:
             try:
-                with self._connection() as conn, driver_errors("boot"):
+                # A connection of its own, made in this thread: a refused one fails at once,
+                # where the pool would wait for its background attempts.
+                with (
+                    driver_errors("boot"),
+                    connector.connect(
+                        self.settings.database_url,
+                        application_name=APPLICATION_NAME,
+                        transaction_pooling=self.settings.transaction_pooling,
+                    ) as conn,
+                ):
                     # The table the child works on: an unmigrated database is a boot error.
                     conn.execute("SELECT 1 FROM tasks LIMIT 0")
                 self._take_back_leases(self.inherited.dead_holders)
