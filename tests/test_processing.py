@@ -19,7 +19,7 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 from psycopg_pool import ConnectionPool
-from sqlalchemy import Engine, pool, text
+from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -632,25 +632,20 @@ def test_the_lease_keeper_logs_a_database_outage_once_not_every_tick(
     assert keeper[0].exc_info is None
 
 
-# -- the worker's engine ------------------------------------------------------------------
+# -- the worker's connections -------------------------------------------------------------
 
 
-def test_worker_engines_bound_statements_and_detect_dead_peers(fresh_db_url: str) -> None:
-    worker = make_engine(fresh_db_url, poolclass=pool.NullPool, statement_timeout_ms=1234)
-    plain = make_engine(fresh_db_url, poolclass=pool.NullPool)
-    try:
-        with worker.connect() as conn:
-            assert conn.execute(text("SHOW statement_timeout")).scalar_one() == "1234ms"
-            info = conn.connection.dbapi_connection.info  # type: ignore[union-attr]
-            params = info.get_parameters()
-            assert (params["keepalives_idle"], params["tcp_user_timeout"]) == ("10", "30000")
-            with pytest.raises(OperationalError, match="statement timeout"):
-                conn.execute(text("SELECT pg_sleep(2)"))
-        with plain.connect() as conn:
-            assert conn.execute(text("SHOW statement_timeout")).scalar_one() == "0"
-    finally:
-        worker.dispose()
-        plain.dispose()
+def test_worker_connections_bound_statements_and_detect_dead_peers(fresh_db_url: str) -> None:
+    with connector.connect(
+        fresh_db_url, application_name="fairq-tests", statement_timeout_ms=1234
+    ) as conn:
+        assert conn.execute("SHOW statement_timeout").fetchone() == ("1234ms",)
+        params = conn.info.get_parameters()
+        assert (params["keepalives_idle"], params["tcp_user_timeout"]) == ("10", "30000")
+        with pytest.raises(psycopg.errors.QueryCanceled, match="statement timeout"):
+            conn.execute("SELECT pg_sleep(2)")
+    with connector.connect(fresh_db_url, application_name="fairq-tests") as conn:
+        assert conn.execute("SHOW statement_timeout").fetchone() == ("0",)
 
 
 # -- leases held by a live worker, lost by a dead one -------------------------------------
