@@ -45,8 +45,8 @@ class Pooled:
             url,
             application_name="fairq-api",
             transaction_pooling=transaction_pooling,
-            # One per request thread (a request holds at most one at a time), as many
-            # again at busy times and for `POST /workers/process`.
+            # One per request thread (a request holds at most one at a time; `POST
+            # /workers/process` runs its pass on it), as many again at busy times.
             min_size=pool_size,
             max_size=2 * pool_size,
         )
