@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from flask import Flask
 
 from api import auth, dashboard, database, errors, metrics, throttle
@@ -49,6 +51,7 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
         settings.database_url,
         transaction_pooling=settings.database_pool_mode == "transaction",
         pool_size=settings.database_pool_size,
+        ready_timeout_ms=settings.ready_timeout_ms,
     )
     auth.init_app(app)
     throttle.init_app(app, settings.auth_failure_limit)
@@ -66,9 +69,9 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     dashboard.init_app(app, settings)
     metrics.init_app(
         app,
-        # The probe engine: unpooled with a short connect timeout, so a hung database
+        # The probe's connection: unpooled with a short connect timeout, so a hung database
         # delays a scrape by about two seconds, not the views' five plus a pool wait.
-        database.probe_engine_of(app),
+        functools.partial(database.probe_for, app.config["FAIRQ_PROBE"]),
         timeout_ms=settings.ready_timeout_ms,
         metrics_dir=settings.metrics_dir,
     )

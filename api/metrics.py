@@ -9,7 +9,8 @@ not leave the second one uninstrumented (docs/stack-notes.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,6 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_flask_exporter import PrometheusMetrics
-from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from db import queue_health, statistics
@@ -120,13 +120,13 @@ class QueueCollector(Collector):
 
     def __init__(
         self,
-        engine: Engine,
+        connect: Callable[[], AbstractContextManager[psycopg.Connection[Any]]],
         timeout_ms: int,
         *,
         live_limit: int = statistics.LIVE_EXACT_LIMIT,
         terminal_limit: int = statistics.TERMINAL_EXACT_LIMIT,
     ) -> None:
-        self._engine = engine
+        self._connect = connect
         self._timeout_ms = int(timeout_ms)
         self._live_limit = live_limit
         self._terminal_limit = terminal_limit
@@ -138,17 +138,15 @@ class QueueCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """Yield the queue gauges, or nothing when the database is slow or down."""
         try:
-            with self._engine.connect() as conn, conn.begin():
+            with self._connect() as conn, conn.transaction():
                 statistics.limit_statement_time(conn, self._timeout_ms)
                 counts = statistics.tasks_by_status(
                     conn, live_limit=self._live_limit, terminal_limit=self._terminal_limit
                 )
                 holder = statistics.oldest_xmin_holder_age(conn)
-                driver = conn.connection.driver_connection
-                assert isinstance(driver, psycopg.Connection)
-                waiting = queue_health.waiting(driver)
-                tables = queue_health.table_tuples(driver)
-        except (SQLAlchemyError, psycopg.Error) as exc:
+                waiting = queue_health.waiting(conn)
+                tables = queue_health.table_tuples(conn)
+        except SQLAlchemyError as exc:
             log.warning("queue metrics skipped: %s", exc.__class__.__name__)
             return
         by_status = GaugeMetricFamily("tasks_by_status", TASKS_BY_STATUS_HELP, labels=["status"])
@@ -232,7 +230,13 @@ class _Forward(Collector):
         yield from self._source.collect()
 
 
-def init_app(app: Flask, engine: Engine, *, timeout_ms: int, metrics_dir: Path | None) -> None:
+def init_app(
+    app: Flask,
+    connect: Callable[[], AbstractContextManager[psycopg.Connection[Any]]],
+    *,
+    timeout_ms: int,
+    metrics_dir: Path | None,
+) -> None:
     """Instrument `app` and serve `/metrics` on it.
 
     `metrics_dir`: `PROMETHEUS_MULTIPROC_DIR` (gunicorn), so scrapes aggregate the metric
@@ -244,7 +248,7 @@ def init_app(app: Flask, engine: Engine, *, timeout_ms: int, metrics_dir: Path |
     registry = CollectorRegistry()
     metrics = _Metrics(
         app,
-        QueueCollector(engine, timeout_ms),
+        QueueCollector(connect, timeout_ms),
         metrics_dir,
         path="/metrics",
         # Route templates, never raw paths: a path label would grow with every task id.

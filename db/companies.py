@@ -1,16 +1,35 @@
-"""Company (tenant) statements. Callers own the session and commit."""
+"""Company (tenant) statements. Functions take a psycopg connection and never commit."""
 
 from __future__ import annotations
 
+import datetime as dt
 import enum
 import uuid
+from dataclasses import dataclass, fields
 from typing import Any
 
-from sqlalchemy import func, insert, select, text, update
-from sqlalchemy.orm import Session
+import psycopg
+from psycopg.rows import class_row
 
 from db import errors, queue
-from db.models import Company
+from db.engine import driver_errors
+
+
+@dataclass(frozen=True)
+class CompanyRecord:
+    """A company as the API and the dashboard show it: the columns of `companies`, in the
+    order `_COMPANY_COLUMNS` selects them (its API keys: `db.api_keys`)."""
+
+    id: uuid.UUID
+    name: str
+    created_at: dt.datetime
+    weight: int
+    max_in_flight: int | None
+    max_pending: int | None
+    paused: bool
+
+
+_COMPANY_COLUMNS = ", ".join(field.name for field in fields(CompanyRecord))
 
 
 class Unset(enum.Enum):
@@ -22,48 +41,62 @@ class Unset(enum.Enum):
 UNSET = Unset.UNSET
 
 
+_INSERT_COMPANY = """
+INSERT INTO companies (name, weight, max_in_flight, max_pending)
+VALUES (%(name)s, %(weight)s, %(max_in_flight)s, %(max_pending)s)
+RETURNING {columns}
+""".replace("{columns}", _COMPANY_COLUMNS)
+_COMPANY_BY_ID = "SELECT {columns} FROM companies WHERE id = %(id)s".replace(
+    "{columns}", _COMPANY_COLUMNS
+)
+
+
 def create_company(
-    session: Session,
+    conn: psycopg.Connection[Any],
     *,
     name: str,
     weight: int = 1,
     max_in_flight: int | None = None,
     max_pending: int | None = None,
-) -> Company:
+) -> CompanyRecord:
     """Insert a company (its API keys: `db.api_keys.issue_key`, in the same transaction).
 
-    `weight`, `max_in_flight` and `max_pending` (None: unlimited) default to the columns'
-    defaults.
+    `weight` defaults to the column's default; `max_in_flight` and `max_pending` (None:
+    unlimited) too.
     """
-    stmt = (
-        insert(Company)
-        .values(
-            name=name,
-            weight=weight,
-            max_in_flight=max_in_flight,
-            max_pending=max_pending,
-        )
-        .returning(Company)
-    )
-    return session.scalars(stmt).one()
+    params = {
+        "name": name,
+        "weight": weight,
+        "max_in_flight": max_in_flight,
+        "max_pending": max_pending,
+    }
+    with driver_errors("create_company"):
+        company = _company_cursor(conn).execute(_INSERT_COMPANY, params).fetchone()
+    assert company is not None  # an INSERT without a conflict clause returns its row
+    return company
 
 
-def get_company(session: Session, company_id: uuid.UUID) -> Company:
+def get_company(conn: psycopg.Connection[Any], company_id: uuid.UUID) -> CompanyRecord:
     """The company with this id. Raises `errors.NotFound`."""
-    company = session.get(Company, company_id)
+    with driver_errors("get_company"):
+        company = _company_cursor(conn).execute(_COMPANY_BY_ID, {"id": company_id}).fetchone()
     if company is None:
         raise errors.NotFound("company not found")
     return company
 
 
+def _company_cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[CompanyRecord]:
+    return conn.cursor(row_factory=class_row(CompanyRecord))
+
+
 def update_company_limits(
-    session: Session,
+    conn: psycopg.Connection[Any],
     company_id: uuid.UUID,
     *,
     weight: int | Unset = UNSET,
     max_in_flight: int | Unset | None = UNSET,
     max_pending: int | Unset | None = UNSET,
-) -> Company:
+) -> CompanyRecord:
     """Set the given limits of a company and return it; None is unlimited.
 
     One UPDATE ... RETURNING: no read-then-write race with another change. The bounds are
@@ -81,54 +114,64 @@ def update_company_limits(
         values["max_pending"] = max_pending
     if not values:
         raise ValueError("update_company_limits needs weight, max_in_flight or max_pending")
-    stmt = (
-        update(Company)
-        .where(Company.id == company_id)
-        .values(**values)
-        .returning(Company)
-        # An instance already in the session (e.g. loaded to authenticate) gets the new values.
-        .execution_options(synchronize_session=False, populate_existing=True)
-    )
-    company = session.scalars(stmt).one_or_none()
+    params = {
+        "id": company_id,
+        **{f"set_{name}": name in values for name in _LIMITS},
+        **{name: values.get(name) for name in _LIMITS},
+    }
+    return _one_company(conn, _UPDATE_LIMITS, params, "update_company_limits")
+
+
+_LIMITS = ("weight", "max_in_flight", "max_pending")
+# One statement text whatever the limits given: a limit not given keeps its value.
+_UPDATE_LIMITS = """
+UPDATE companies
+SET weight = CASE WHEN %(set_weight)s THEN %(weight)s ELSE weight END,
+    max_in_flight = CASE WHEN %(set_max_in_flight)s THEN %(max_in_flight)s ELSE max_in_flight END,
+    max_pending = CASE WHEN %(set_max_pending)s THEN %(max_pending)s ELSE max_pending END
+WHERE id = %(id)s
+RETURNING {columns}
+""".replace("{columns}", _COMPANY_COLUMNS)
+_SET_PAUSED = """
+UPDATE companies SET paused = %(paused)s WHERE id = %(id)s RETURNING {columns}
+""".replace("{columns}", _COMPANY_COLUMNS)
+
+
+def _one_company(
+    conn: psycopg.Connection[Any], statement: str, params: dict[str, Any], what: str
+) -> CompanyRecord:
+    with driver_errors(what):
+        company = _company_cursor(conn).execute(statement, params).fetchone()
     if company is None:
         raise errors.NotFound("company not found")
     return company
 
 
-def _set_paused(session: Session, company_id: uuid.UUID, paused: bool) -> Company:
+def _set_paused(
+    conn: psycopg.Connection[Any], company_id: uuid.UUID, paused: bool
+) -> CompanyRecord:
     # The trigger of migration 0006 copies `paused` to company_queues; pausing also takes the
     # company out of the ring (`ready = false`), and the claim's promotion passes it over.
-    stmt = (
-        update(Company)
-        .where(Company.id == company_id)
-        .values(paused=paused)
-        .returning(Company)
-        # An instance already in the session (e.g. loaded to authenticate) gets the new value.
-        .execution_options(synchronize_session=False, populate_existing=True)
-    )
-    company = session.scalars(stmt).one_or_none()
-    if company is None:
-        raise errors.NotFound("company not found")
-    return company
+    return _one_company(conn, _SET_PAUSED, {"id": company_id, "paused": paused}, "set_paused")
 
 
 # The company's wake-up lock in shared mode, as the triggers that make a task pending take it
 # (migration 0003; the claimer's `queue._TRY_WAKE_LOCKS` spells the same bucket).
-_TAKE_WAKE_LOCK_SHARED = text(
-    "SELECT pg_advisory_xact_lock_shared(CAST(:namespace AS int), "
-    "hashtext(CAST(CAST(:company_id AS uuid) AS text)) & (CAST(:buckets AS int) - 1))"
+_TAKE_WAKE_LOCK_SHARED = (
+    "SELECT pg_advisory_xact_lock_shared(CAST(%(namespace)s AS int), "
+    "hashtext(CAST(CAST(%(company_id)s AS uuid) AS text)) & (CAST(%(buckets)s AS int) - 1))"
 )
 # The claims' lock, exclusively: granted once every claim in flight has committed.
-_WAIT_FOR_CLAIMERS = text("SELECT pg_advisory_xact_lock(CAST(:key AS bigint))")
+_WAIT_FOR_CLAIMERS = "SELECT pg_advisory_xact_lock(CAST(%(key)s AS bigint))"
 
 
-def pause_company(session: Session, company_id: uuid.UUID) -> Company:
+def pause_company(conn: psycopg.Connection[Any], company_id: uuid.UUID) -> CompanyRecord:
     """Stop the claim from taking the company's tasks; return the company (`paused` true).
 
     Its tasks are still accepted and kept; tasks already `processing` finish, retry or
     expire as usual and then wait. Idempotent. Commit right after: until then every claimer
-    of the cluster waits. Raises `errors.NotFound`, and `RuntimeError` on a session in
-    autocommit (the statements below must commit together).
+    of the cluster waits. Raises `errors.NotFound`, and `RuntimeError` on a connection in
+    autocommit outside a transaction (the statements below must commit together).
 
     Once the caller's commit returns, no claim takes the company's tasks. Every claim holds
     the claims' advisory lock (`queue.CLAIM_LOCK_KEY`) shared until it commits
@@ -144,23 +187,23 @@ def pause_company(session: Session, company_id: uuid.UUID) -> Company:
     3. the claims' lock, last: claims never queue behind a pause that is itself waiting
        for a row lock (a transaction still open that wrote the company's rows).
     """
-    _require_transaction(session, "pause_company")
-    session.execute(
-        _TAKE_WAKE_LOCK_SHARED,
-        {
-            "namespace": queue.WAKE_LOCK_NAMESPACE,
-            "company_id": company_id,
-            "buckets": queue.WAKE_LOCK_BUCKETS,
-        },
-    )
-    company = _set_paused(session, company_id, True)
-    session.execute(_WAIT_FOR_CLAIMERS, {"key": queue.CLAIM_LOCK_KEY})
+    _require_transaction(conn, "pause_company")
+    wake_lock = {
+        "namespace": queue.WAKE_LOCK_NAMESPACE,
+        "company_id": company_id,
+        "buckets": queue.WAKE_LOCK_BUCKETS,
+    }
+    with driver_errors("pause_company"):
+        conn.execute(_TAKE_WAKE_LOCK_SHARED, wake_lock)
+    company = _set_paused(conn, company_id, True)
+    with driver_errors("pause_company"):
+        conn.execute(_WAIT_FOR_CLAIMERS, {"key": queue.CLAIM_LOCK_KEY})
     return company
 
 
 def resume_company(
-    session: Session, company_id: uuid.UUID, *, notify_channel: str | None = None
-) -> Company:
+    conn: psycopg.Connection[Any], company_id: uuid.UUID, *, notify_channel: str | None = None
+) -> CompanyRecord:
     """Let the claim take the company's tasks again; return the company (`paused` false).
 
     Idempotent. Its runnable tasks are claimed in their usual order ("eligible since"), the
@@ -170,15 +213,18 @@ def resume_company(
     `NOTIFY notify_channel` (payload: the company id) wakes idle workers when the caller
     commits, as a create does. Raises `errors.NotFound`.
     """
-    company = _set_paused(session, company_id, False)
+    company = _set_paused(conn, company_id, False)
     if notify_channel:
-        session.execute(select(func.pg_notify(notify_channel, str(company_id))))
+        with driver_errors("resume_company"):
+            conn.execute(
+                "SELECT pg_notify(%(channel)s, %(company_id)s)",
+                {"channel": notify_channel, "company_id": str(company_id)},
+            )
     return company
 
 
-def _require_transaction(session: Session, what: str) -> None:
-    driver = session.connection().connection.driver_connection
-    if getattr(driver, "autocommit", False):
+def _require_transaction(conn: psycopg.Connection[Any], what: str) -> None:
+    if conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
         # Each statement would commit on its own: the locks would end before the commit
         # they must cover.
         raise RuntimeError(f"{what} needs a transaction; the connection is in autocommit")

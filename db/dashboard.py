@@ -30,9 +30,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection
+import psycopg
 
-from db import errors
+from db import connector, errors
+from db.engine import driver_errors
 from db.queue import TaskRecord
 
 # The newest finished tasks read for "in the last hour" figures: 0.1 to 0.2 s of index scan
@@ -243,7 +244,7 @@ def _listing_statement(sort: CompanySort, descending: bool) -> str:
 
 
 def list_companies(
-    connection: Connection,
+    connection: psycopg.Connection[Any],
     *,
     sort: CompanySort = CompanySort.OLDEST_WAIT,
     descending: bool = True,
@@ -268,13 +269,17 @@ def list_companies(
         "minutes": RECENT_MINUTES,
         "recent_limit": recent_limit,
     }
-    result = connection.exec_driver_sql(_listing_statement(sort, descending), params).all()
-    total = connection.exec_driver_sql(_COUNT_COMPANIES, {"search": params["search"]}).scalar_one()
+    rows_of = connection.cursor(row_factory=connector.NAMED_ROWS)
+    with driver_errors("list_companies"):
+        result = rows_of.execute(_listing_statement(sort, descending), params).fetchall()
+        counted = connection.execute(_COUNT_COMPANIES, {"search": params["search"]}).fetchone()
+    assert counted is not None  # count(*) returns one row
+    total = counted[0]
     rows = [CompanyRow._make((*row[:10], _seconds(row[10]))) for row in result]
     if result:
         window = _window(result[0].now, cut=result[0].cut, cut_since=result[0].cut_since)
     else:
-        window = _window(_now(connection), cut=False, cut_since=None)
+        window = _window(now(connection), cut=False, cut_since=None)
     return CompanyPage(rows=rows, total=int(total), window=window)
 
 
@@ -282,8 +287,12 @@ def _seconds(value: Any) -> float | None:
     return None if value is None else max(0.0, float(value))
 
 
-def _now(connection: Connection) -> dt.datetime:
-    now: dt.datetime = connection.exec_driver_sql("SELECT now()").scalar_one()
+def now(connection: psycopg.Connection[Any]) -> dt.datetime:
+    """The database's clock: `now()` (the transaction's start)."""
+    with driver_errors("now"):
+        row = connection.execute("SELECT now()").fetchone()
+    assert row is not None
+    now: dt.datetime = row[0]
     return now
 
 
@@ -328,7 +337,7 @@ LEFT JOIN LATERAL (
 
 
 def finished_per_minute(
-    connection: Connection, *, recent_limit: int = RECENT_FINISHED_LIMIT
+    connection: psycopg.Connection[Any], *, recent_limit: int = RECENT_FINISHED_LIMIT
 ) -> FinishedSeries:
     """Completed and failed tasks per minute, over the `RECENT_MINUTES` whole minutes before
     the current one (a minute still counting would show as a drop).
@@ -337,7 +346,12 @@ def finished_per_minute(
     covers the latest minutes read in full and its `window` is not `complete`.
     """
     params = {"minutes": RECENT_MINUTES + 1, "recent_limit": recent_limit}
-    rows = connection.exec_driver_sql(_FINISHED_PER_MINUTE, params).all()
+    with driver_errors("finished_per_minute"):
+        rows = (
+            connection.cursor(row_factory=connector.NAMED_ROWS)
+            .execute(_FINISHED_PER_MINUTE, params)
+            .fetchall()
+        )
     cut, cut_since, now = rows[0].cut, rows[0].cut_since, rows[0].now
     counted = {
         row.minute: (int(row.completed), int(row.failed)) for row in rows if row.minute is not None
@@ -390,9 +404,16 @@ LIMIT %(limit)s
 """
 
 
-def lease_holders(connection: Connection, *, limit: int = LEASE_HOLDERS_LIMIT) -> LeaseHolders:
+def lease_holders(
+    connection: psycopg.Connection[Any], *, limit: int = LEASE_HOLDERS_LIMIT
+) -> LeaseHolders:
     """The workers holding leases now, the oldest heartbeat first (a stuck one on top)."""
-    rows = connection.exec_driver_sql(_LEASE_HOLDERS, {"limit": limit}).all()
+    with driver_errors("lease_holders"):
+        rows = (
+            connection.cursor(row_factory=connector.NAMED_ROWS)
+            .execute(_LEASE_HOLDERS, {"limit": limit})
+            .fetchall()
+        )
     listed = [LeaseHolder(row.locked_by, int(row.tasks), float(row.oldest)) for row in rows]
     if not rows:
         return LeaseHolders(listed=[], holders=0, tasks=0)
@@ -415,11 +436,12 @@ WHERE id = %(id)s AND company_id = %(company_id)s
 """.replace("{columns}", ", ".join(TaskRecord._fields))
 
 
-def task_detail(connection: Connection, company_id: uuid.UUID, task_id: uuid.UUID) -> TaskDetail:
+def task_detail(
+    connection: psycopg.Connection[Any], company_id: uuid.UUID, task_id: uuid.UUID
+) -> TaskDetail:
     """The company's task with its lease. Raises `errors.NotFound`."""
-    row = connection.exec_driver_sql(
-        _TASK_DETAIL, {"id": task_id, "company_id": company_id}
-    ).first()
+    with driver_errors("task_detail"):
+        row = connection.execute(_TASK_DETAIL, {"id": task_id, "company_id": company_id}).fetchone()
     if row is None:
         raise errors.NotFound("task not found")
     fields = len(TaskRecord._fields)
@@ -446,7 +468,7 @@ LIMIT %(limit)s
 
 
 def recent_failures(
-    connection: Connection,
+    connection: psycopg.Connection[Any],
     company_id: uuid.UUID,
     *,
     limit: int = 10,
@@ -458,7 +480,7 @@ def recent_failures(
     older failures it has (`queue.list_tasks` with `status='failed'` finds them all, at the
     cost of reading its history).
     """
-    rows = connection.exec_driver_sql(
-        _RECENT_FAILURES, {"company_id": company_id, "scan": scan, "limit": limit}
-    )
+    params = {"company_id": company_id, "scan": scan, "limit": limit}
+    with driver_errors("recent_failures"):
+        rows = connection.execute(_RECENT_FAILURES, params).fetchall()
     return [TaskRecord._make(row) for row in rows]

@@ -6,7 +6,9 @@ indexes and its locks, read side by side. Sections: the API's statements, then t
 The claim itself runs in the server (`fairq_claim`, db/sql/claim.sql); its model of deficit
 round robin is pure Python in `db.fair_share`.
 
-Callers own the session and commit; functions here never commit. Timestamps always come
+Every function takes a psycopg connection first and never commits: callers own the
+transaction (`with conn.transaction():`) or run a single statement in autocommit. Statements
+are plain SQL with `%(name)s` parameters (the connector: `db.connector`). Timestamps always come
 from the database clock (`now()`), never from Python.
 """
 
@@ -19,12 +21,10 @@ from typing import Any, NamedTuple
 
 import psycopg
 from psycopg.types.json import Jsonb
-from sqlalchemy import CursorResult, func, text, update
-from sqlalchemy.orm import Session
 
 from db import errors
-from db.engine import Executor, driver_connection, driver_errors
-from db.models import Task, TaskStatus
+from db.engine import driver_errors
+from db.models import TaskStatus
 
 # ---------------------------------------------------------------------------------------------
 # API-side statements: create, read, list, cancel, retry
@@ -127,7 +127,7 @@ def _record(row: Sequence[Any]) -> TaskRecord:
 
 
 def create_task(
-    where: Executor,
+    conn: psycopg.Connection[Any],
     *,
     company_id: uuid.UUID,
     type: str,
@@ -146,10 +146,8 @@ def create_task(
     existing task is returned with `created=False`, or `errors.IdempotencyKeyReused` is raised
     when its `request_hash` differs (IETF Idempotency-Key draft, section 2.7).
     `NOTIFY notify_channel` is sent by the insert's own statement, in the caller's
-    transaction, so it fires only on commit. A new task costs one statement. `where`: a
-    session, or a psycopg connection (the API's, in autocommit: the statement commits).
+    transaction, so it fires only on commit. A new task costs one statement.
     """
-    driver = driver_connection(where, transaction=False)
     params: dict[str, Any] = {
         "company_id": company_id,
         "type": type,
@@ -165,10 +163,10 @@ def create_task(
     # or its inserter rolled back): then the key is free again, so insert once more.
     for _ in range(_CREATE_ATTEMPTS):
         with driver_errors("create_task"):
-            row = driver.execute(_INSERT_TASK, params).fetchone()
+            row = conn.execute(_INSERT_TASK, params).fetchone()
         if row is not None:
             return _record(row), True
-        existing = _existing_for_key(driver, company_id, idempotency_key)
+        existing = _existing_for_key(conn, company_id, idempotency_key)
         if existing is not None:
             if existing.request_hash != request_hash:
                 raise errors.IdempotencyKeyReused(
@@ -183,12 +181,12 @@ _CREATE_ATTEMPTS = 3
 
 
 def _existing_for_key(
-    driver: psycopg.Connection[Any], company_id: uuid.UUID, key: str | None
+    conn: psycopg.Connection[Any], company_id: uuid.UUID, key: str | None
 ) -> TaskRecord | None:
     # READ COMMITTED: ON CONFLICT waited for the other inserter to commit, so this new
     # statement sees its row, unless it was deleted in between.
     with driver_errors("task_by_key"):
-        row = driver.execute(_TASK_BY_KEY, {"company_id": company_id, "key": key}).fetchone()
+        row = conn.execute(_TASK_BY_KEY, {"company_id": company_id, "key": key}).fetchone()
     return None if row is None else _record(row)
 
 
@@ -278,7 +276,7 @@ FROM existing e
 
 
 def create_tasks(
-    session: Session,
+    conn: psycopg.Connection[Any],
     *,
     company_id: uuid.UUID,
     tasks: Sequence[NewTask],
@@ -319,10 +317,11 @@ def create_tasks(
     found: dict[int, tuple[TaskRecord, bool]] = {}
     todo = [index for index in range(len(tasks)) if index not in repeats]
     with driver_errors("create_tasks"):
-        # A transaction: a batch is all or nothing.
-        driver = driver_connection(session)
+        if conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+            # Each statement would be a transaction of its own: a batch is all or nothing.
+            raise RuntimeError("this needs a transaction; the connection is in autocommit")
         for _ in range(_CREATE_ATTEMPTS):
-            for row in _insert_tasks(driver, company_id, [tasks[i] for i in todo], notify_channel):
+            for row in _insert_tasks(conn, company_id, [tasks[i] for i in todo], notify_channel):
                 index = todo[row[0] - 1]  # n counts the items sent, from 1
                 record, created = TaskRecord._make(row[2 : 2 + _FIELDS]), bool(row[1])
                 if not created and record.request_hash != tasks[index].request_hash:
@@ -368,21 +367,19 @@ def _insert_tasks(
     return cursor.execute(_INSERT_TASKS, params, prepare=False).fetchall()
 
 
-def get_task(where: Executor, company_id: uuid.UUID, task_id: uuid.UUID) -> TaskRecord:
-    """The company's task. Raises `errors.NotFound` if absent or owned by another company.
-
-    `where`: a session, or a psycopg connection (the API's request connection).
-    """
-    driver = driver_connection(where, transaction=False)
+def get_task(
+    conn: psycopg.Connection[Any], company_id: uuid.UUID, task_id: uuid.UUID
+) -> TaskRecord:
+    """The company's task. Raises `errors.NotFound` if absent or owned by another company."""
     with driver_errors("get_task"):
-        row = driver.execute(_TASK_BY_ID, {"id": task_id, "company_id": company_id}).fetchone()
+        row = conn.execute(_TASK_BY_ID, {"id": task_id, "company_id": company_id}).fetchone()
     if row is None:
         raise errors.NotFound("task not found")
     return _record(row)
 
 
 def list_tasks(
-    where: Executor,
+    conn: psycopg.Connection[Any],
     company_id: uuid.UUID,
     *,
     status: str | None = None,
@@ -393,82 +390,81 @@ def list_tasks(
     """One page of the company's tasks, newest first; return `(items, has_more)`.
 
     Ordered by `(created_at DESC, id DESC)`: `ix_tasks_company_listing_unleased` merged
-    with the company's leases. `where`: a session, or a psycopg connection (the API's
-    request connection).
+    with the company's leases.
     """
     params = {
         "company_id": company_id, "status": status, "type": type,
         "limit": limit + 1, "offset": offset, "window": offset + limit + 1,
     }  # fmt: skip
-    driver = driver_connection(where, transaction=False)
     with driver_errors("list_tasks"):
-        rows = [_record(row) for row in driver.execute(_LIST_TASKS, params)]
+        rows = [_record(row) for row in conn.execute(_LIST_TASKS, params)]
     return rows[:limit], len(rows) > limit
 
 
+# One conditional UPDATE: no read-then-write race with a claimer. `{set}`: the transition's
+# columns; the statuses it may leave are a parameter.
+_TRANSITION = """
+UPDATE tasks
+SET updated_at = now(), {set}
+WHERE id = %(id)s AND company_id = %(company_id)s AND status = ANY(%(from_statuses)s)
+RETURNING {columns}
+""".replace("{columns}", _TASK_COLUMNS)
+_CANCEL = _TRANSITION.replace("{set}", "status = 'cancelled', finished_at = now()")
+_RETRY = _TRANSITION.replace(
+    "{set}",
+    "status = 'pending', attempts = 0, run_after = now(), finished_at = NULL, "
+    "lease_token = NULL, locked_by = NULL, locked_at = NULL",
+)
+
+
 def _transition(
-    session: Session,
+    conn: psycopg.Connection[Any],
+    statement: str,
     company_id: uuid.UUID,
     task_id: uuid.UUID,
     *,
     from_statuses: Sequence[TaskStatus],
-    values: dict[str, Any],
     action: str,
-) -> Task:
-    # One conditional UPDATE: no read-then-write race with a claimer.
-    stmt = (
-        update(Task)
-        .where(
-            Task.id == task_id,
-            Task.company_id == company_id,
-            Task.status.in_([s.value for s in from_statuses]),
-        )
-        .values(updated_at=func.now(), **values)
-        .returning(Task)
-        .execution_options(synchronize_session=False)
-    )
-    task = session.scalars(stmt).one_or_none()
-    if task is not None:
-        return task
-    current = get_task(session, company_id, task_id)  # raises NotFound
+) -> TaskRecord:
+    params = {
+        "id": task_id,
+        "company_id": company_id,
+        "from_statuses": [s.value for s in from_statuses],
+    }
+    with driver_errors(action):
+        row = conn.execute(statement, params).fetchone()
+    if row is not None:
+        return _record(row)
+    current = get_task(conn, company_id, task_id)  # raises NotFound
     allowed = " or ".join(s.value for s in from_statuses)
     raise errors.Conflict(f"cannot {action} a task in status {current.status!r} (only {allowed})")
 
 
-def cancel_task(session: Session, company_id: uuid.UUID, task_id: uuid.UUID) -> Task:
+def cancel_task(
+    conn: psycopg.Connection[Any], company_id: uuid.UUID, task_id: uuid.UUID
+) -> TaskRecord:
     """Move a pending task to `cancelled`.
 
     Raises `errors.NotFound`, or `errors.Conflict` when it is not pending.
     """
     return _transition(
-        session,
-        company_id,
-        task_id,
-        from_statuses=(TaskStatus.PENDING,),
-        values={"status": TaskStatus.CANCELLED.value, "finished_at": func.now()},
-        action="cancel",
+        conn, _CANCEL, company_id, task_id, from_statuses=(TaskStatus.PENDING,), action="cancel"
     )
 
 
-def retry_task(session: Session, company_id: uuid.UUID, task_id: uuid.UUID) -> Task:
+def retry_task(
+    conn: psycopg.Connection[Any], company_id: uuid.UUID, task_id: uuid.UUID
+) -> TaskRecord:
     """Move a failed or cancelled task back to `pending`, runnable now, with attempts reset.
 
     Raises `errors.NotFound`, or `errors.Conflict` from any other status.
     """
     return _transition(
-        session,
+        conn,
+        _RETRY,
         company_id,
         task_id,
         from_statuses=(TaskStatus.FAILED, TaskStatus.CANCELLED),
-        values={
-            "status": TaskStatus.PENDING.value,
-            "attempts": 0,
-            "run_after": func.now(),
-            "finished_at": None,
-            "lease_token": None,
-            "locked_by": None,
-            "locked_at": None,
-        },
         action="retry",
     )
 
@@ -533,7 +529,7 @@ _CLAIM = "SELECT * FROM fairq_claim(%(worker_id)s, %(batch_size)s)"
 
 
 def claim(
-    session: Session,
+    conn: psycopg.Connection[Any],
     *,
     worker_id: str,
     batch_size: int,
@@ -557,13 +553,11 @@ def claim(
     its work), or is held by a claim still in flight. The cost depends on the batch size, not
     on how many companies exist or have work (docs/design.md, "The claim").
 
-    `commit`, if given, ends the transaction (`session.commit`) right after the statement,
+    `commit`, if given, ends the transaction (`conn.commit`) right after the statement,
     before the rows are decoded. Without it the caller commits. Raises `DBAPIError`.
     """
     with driver_errors("claim"):
-        cursor = driver_connection(session, transaction=False).execute(
-            _CLAIM, {"worker_id": worker_id, "batch_size": batch_size}
-        )
+        cursor = conn.execute(_CLAIM, {"worker_id": worker_id, "batch_size": batch_size})
         if commit is not None:
             commit()
         # A cursor keeps its result after the commit: decoding needs no server.
@@ -576,12 +570,6 @@ def _clip_error(error: str) -> str:
     if len(error) > MAX_ERROR_CHARS:
         error = error[: MAX_ERROR_CHARS - 1] + "\u2026"
     return error
-
-
-def _rowcount(result: object) -> int:
-    # Session.execute is typed as returning Result; for DML it is a CursorResult.
-    assert isinstance(result, CursorResult)
-    return result.rowcount
 
 
 def _unzip(leases: Sequence[Lease]) -> dict[str, list[uuid.UUID]]:
@@ -631,7 +619,9 @@ RETURNING t.id
 
 
 def complete_tasks(
-    session: Session, leases: Sequence[Lease], results: Sequence[str | None] | None = None
+    conn: psycopg.Connection[Any],
+    leases: Sequence[Lease],
+    results: Sequence[str | None] | None = None,
 ) -> set[uuid.UUID]:
     """Mark these held tasks `completed` in one statement; return the ids that matched.
 
@@ -645,53 +635,49 @@ def complete_tasks(
     if not leases:
         return set()
     with driver_errors("complete_tasks"):
-        driver = driver_connection(session, transaction=False)
         if results is None or all(result is None for result in results):
-            rows = driver.execute(_COMPLETE, _unzip(leases))
+            rows = conn.execute(_COMPLETE, _unzip(leases))
         else:
             if len(results) != len(leases):
                 raise ValueError(f"{len(results)} results for {len(leases)} leases")
-            rows = driver.execute(
+            rows = conn.execute(
                 _COMPLETE_WITH_RESULTS, {**_unzip(leases), "results": list(results)}
             )
         return {row[0] for row in rows}
 
 
-_FAIL = text(
-    """
+_FAIL = """
 UPDATE tasks
-SET status = 'failed', finished_at = now(), updated_at = now(), last_error = :error,
+SET status = 'failed', finished_at = now(), updated_at = now(), last_error = %(error)s,
     lease_token = NULL, locked_by = NULL, locked_at = NULL
-WHERE id = :id AND status = 'processing' AND lease_token = :token
+WHERE id = %(id)s AND status = 'processing' AND lease_token = %(token)s
 """
-)
 
 
-def fail_task(session: Session, task_id: uuid.UUID, lease_token: uuid.UUID, *, error: str) -> bool:
+def fail_task(
+    conn: psycopg.Connection[Any], task_id: uuid.UUID, lease_token: uuid.UUID, *, error: str
+) -> bool:
     """Mark a held task `failed` with `error` (clipped to `MAX_ERROR_CHARS`).
 
     Returns False, changing nothing, when the lease was lost.
     """
-    result = session.execute(
-        _FAIL, {"id": task_id, "token": lease_token, "error": _clip_error(error)}
-    )
-    return _rowcount(result) == 1
+    params = {"id": task_id, "token": lease_token, "error": _clip_error(error)}
+    with driver_errors("fail_task"):
+        return conn.execute(_FAIL, params).rowcount == 1
 
 
-_RETRY_LATER = text(
-    """
+_RETRY_LATER = """
 UPDATE tasks
 SET status = 'pending',
-    run_after = now() + make_interval(secs => CAST(:delay AS float8)),
-    updated_at = now(), last_error = :error,
+    run_after = now() + make_interval(secs => CAST(%(delay)s AS float8)),
+    updated_at = now(), last_error = %(error)s,
     lease_token = NULL, locked_by = NULL, locked_at = NULL
-WHERE id = :id AND status = 'processing' AND lease_token = :token
+WHERE id = %(id)s AND status = 'processing' AND lease_token = %(token)s
 """
-)
 
 
 def schedule_retry(
-    session: Session,
+    conn: psycopg.Connection[Any],
     task_id: uuid.UUID,
     lease_token: uuid.UUID,
     *,
@@ -703,20 +689,17 @@ def schedule_retry(
     The delay comes from `worker.backoff`; attempts stay counted. Returns False, changing
     nothing, when the lease was lost.
     """
-    result = session.execute(
-        _RETRY_LATER,
-        {
-            "id": task_id,
-            "token": lease_token,
-            "delay": delay_seconds,
-            "error": _clip_error(error),
-        },
-    )
-    return _rowcount(result) == 1
+    params = {
+        "id": task_id,
+        "token": lease_token,
+        "delay": delay_seconds,
+        "error": _clip_error(error),
+    }
+    with driver_errors("schedule_retry"):
+        return conn.execute(_RETRY_LATER, params).rowcount == 1
 
 
-_RELEASE = text(
-    """
+_RELEASE = """
 UPDATE tasks t
 SET status = 'pending',
     attempts = t.attempts - 1,   -- it never started: this claim was not an attempt
@@ -726,12 +709,11 @@ SET status = 'pending',
 WHERE {held} AND {processing}
 RETURNING t.id
 """.replace("{processing}", _PROCESSING).replace(
-        "{held}", _HELD.format(ids=":ids", tokens=":tokens")
-    )
+    "{held}", _HELD.format(ids="%(ids)s", tokens="%(tokens)s")
 )
 
 
-def release_tasks(session: Session, leases: Sequence[Lease]) -> set[uuid.UUID]:
+def release_tasks(conn: psycopg.Connection[Any], leases: Sequence[Lease]) -> set[uuid.UUID]:
     """Hand back held tasks that were never started (shutdown); return the ids released.
 
     design §4 Release: back to `pending` with the attempt undone and `run_after` untouched.
@@ -739,4 +721,5 @@ def release_tasks(session: Session, leases: Sequence[Lease]) -> set[uuid.UUID]:
     """
     if not leases:
         return set()
-    return set(session.scalars(_RELEASE, _unzip(leases)))
+    with driver_errors("release_tasks"):
+        return {row[0] for row in conn.execute(_RELEASE, _unzip(leases))}

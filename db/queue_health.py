@@ -24,6 +24,8 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from db.engine import driver_errors
+
 
 class Hold(enum.StrEnum):
     """What keeps a company's due tasks from being claimed (the `reason` label's values).
@@ -114,7 +116,7 @@ ORDER BY s.relname
 def waiting(connection: psycopg.Connection[Any]) -> dict[Hold, Waiting]:
     """Companies with due work, by what holds them (`Hold`), every `Hold` present."""
     result = {hold: Waiting(companies=0, backlog=0, oldest_seconds=0.0) for hold in Hold}
-    with connection.cursor(row_factory=dict_row) as cursor:
+    with driver_errors("queue_health.waiting"), connection.cursor(row_factory=dict_row) as cursor:
         for row in cursor.execute(_WAITING):
             result[Hold(row["hold"])] = Waiting(
                 companies=int(row["companies"]),
@@ -128,7 +130,10 @@ def table_tuples(
     connection: psycopg.Connection[Any], tables: tuple[str, ...] = QUEUE_TABLES
 ) -> list[TableTuples]:
     """Live and dead row versions of each of `tables` that exists (in this search_path)."""
-    with connection.cursor(row_factory=dict_row) as cursor:
+    with (
+        driver_errors("queue_health.table_tuples"),
+        connection.cursor(row_factory=dict_row) as cursor,
+    ):
         rows = cursor.execute(_TABLE_TUPLES, {"tables": list(tables)}).fetchall()
     return [
         TableTuples(table=str(row["table"]), live=int(row["live"]), dead=int(row["dead"]))

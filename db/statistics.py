@@ -10,8 +10,11 @@ transaction, as in `db.queue`.
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, text
+from typing import Any
 
+import psycopg
+
+from db.engine import driver_errors
 from db.models import TERMINAL_STATUSES, TaskStatus
 
 # Exact counts stop at these many rows per status; above, the planner's estimate is reported.
@@ -26,31 +29,28 @@ TERMINAL_EXACT_LIMIT = 10_000  # completed, failed, cancelled: counted together
 # limit means "more than the limit", at a bounded cost. `SELECT FROM` reads no columns, so
 # pending and processing are counted index-only from their partial indexes (or a short seq
 # scan when the status is most of the table: the planner stops it at the LIMIT too).
-_CAPPED_COUNTS = text(
-    """
+_CAPPED_COUNTS = """
 SELECT 'pending' AS status,
        (SELECT count(*) FROM (SELECT FROM tasks WHERE status = 'pending'
-                              LIMIT :live_limit + 1) AS p) AS n
+                              LIMIT %(live_limit)s + 1) AS p) AS n
 UNION ALL
 SELECT 'processing',
        (SELECT count(*) FROM (SELECT FROM tasks WHERE status = 'processing'
-                              LIMIT :live_limit + 1) AS p)
+                              LIMIT %(live_limit)s + 1) AS p)
 UNION ALL
 -- Finished tasks together (ix_tasks_terminal_finished_at covers exactly them), one row per
 -- status present among the first terminal_limit + 1 found.
 SELECT status, count(*)
 FROM (SELECT status FROM tasks WHERE status IN ('completed', 'failed', 'cancelled')
-      LIMIT :terminal_limit + 1) AS f
+      LIMIT %(terminal_limit)s + 1) AS f
 GROUP BY status
 """
-)
 
 # What the planner would assume (estimate_rel_size): rows per page at the last ANALYZE times
 # the pages the table has now, so growth since then counts; times each status's frequency
 # among the most common values of that ANALYZE. No rows while the table was never analyzed
 # (reltuples < 0). Reads only catalogs and the relation's size: constant cost.
-_ESTIMATES = text(
-    """
+_ESTIMATES = """
 SELECT v.status,
        CASE WHEN c.relpages > 0
             THEN c.reltuples / c.relpages
@@ -65,14 +65,12 @@ CROSS JOIN LATERAL unnest(CAST(CAST(s.most_common_vals AS text) AS text[]),
                           s.most_common_freqs) AS v(status, freq)
 WHERE c.oid = CAST('tasks' AS regclass) AND c.reltuples >= 0
 """
-)
 
 # Only runnable work counts as waiting: delayed and backed-off tasks do not. One probe per
 # company into ix_tasks_pending_company_run_after (company_id, run_after, id): its first entry
 # at or before now() is the company's oldest runnable task, so the cost is O(companies), not
 # O(pending), and rows due tomorrow are never read.
-_OLDEST_ELIGIBLE = text(
-    """
+_OLDEST_ELIGIBLE = """
 SELECT coalesce(extract(epoch FROM now() - min(o.run_after)), 0)
 FROM companies c
 CROSS JOIN LATERAL (
@@ -83,7 +81,6 @@ CROSS JOIN LATERAL (
     LIMIT 1
 ) AS o
 """
-)
 
 
 # The transaction pinning this database's cleanup horizon: the one whose snapshot (xmin) or
@@ -103,8 +100,7 @@ CROSS JOIN LATERAL (
 # its current statement, not its transaction. xact_start of another role's session is visible
 # only to superusers and members of pg_read_all_stats: without that, such a session cannot
 # be aged and is skipped. Cost: one pass over the server's backend slots (max_connections).
-_OLDEST_XMIN_HOLDER = text(
-    """
+_OLDEST_XMIN_HOLDER = """
 SELECT coalesce(
     (SELECT greatest(extract(epoch FROM clock_timestamp() - h.since), 0)
      FROM (SELECT greatest(age(a.backend_xid), age(a.backend_xmin)) AS xids,
@@ -123,17 +119,19 @@ SELECT coalesce(
      LIMIT 1),
     0)
 """
-)
 
 
-def limit_statement_time(connection: Connection, timeout_ms: int) -> None:
+def limit_statement_time(connection: psycopg.Connection[Any], timeout_ms: int) -> None:
     """Make the server cancel any later statement of this transaction after `timeout_ms`."""
-    # A literal: `SET` takes no bind parameters (docs/stack-notes.md); int() keeps it one.
-    connection.execute(text(f"SET LOCAL statement_timeout = {int(timeout_ms)}"))
+    # `SET` takes no bind parameters (docs/stack-notes.md); set_config(..., true) is SET LOCAL.
+    with driver_errors("limit_statement_time"):
+        connection.execute(
+            "SELECT set_config('statement_timeout', %(ms)s, true)", {"ms": str(int(timeout_ms))}
+        )
 
 
 def tasks_by_status(
-    connection: Connection,
+    connection: psycopg.Connection[Any],
     *,
     live_limit: int = LIVE_EXACT_LIMIT,
     terminal_limit: int = TERMINAL_EXACT_LIMIT,
@@ -145,11 +143,9 @@ def tasks_by_status(
     planner's estimate, never less than the limit plus one (the estimate can be stale, or
     missing on a table never analyzed).
     """
-    counts: dict[str, int] = dict(
-        connection.execute(
-            _CAPPED_COUNTS, {"live_limit": live_limit, "terminal_limit": terminal_limit}
-        ).all()
-    )
+    params = {"live_limit": live_limit, "terminal_limit": terminal_limit}
+    with driver_errors("tasks_by_status"):
+        counts: dict[str, int] = dict(connection.execute(_CAPPED_COUNTS, params).fetchall())
     over = _over_limit(counts, live_limit, terminal_limit)
     estimates = status_estimates(connection) if over else {}
     result: dict[TaskStatus, float] = {}
@@ -162,13 +158,14 @@ def tasks_by_status(
     return result
 
 
-def status_estimates(connection: Connection) -> dict[TaskStatus, float]:
+def status_estimates(connection: psycopg.Connection[Any]) -> dict[TaskStatus, float]:
     """The planner's estimate of the tasks in each status (see `_ESTIMATES`), at constant cost.
 
     Statuses absent from the last ANALYZE's most common values are missing; so is every
     status while the table was never analyzed. Also used by `db.tenant_stats`.
     """
-    rows = connection.execute(_ESTIMATES).all()
+    with driver_errors("status_estimates"):
+        rows = connection.execute(_ESTIMATES).fetchall()
     known = {status.value for status in TaskStatus}
     return {TaskStatus(name): float(value) for name, value in rows if name in known}
 
@@ -183,14 +180,21 @@ def _over_limit(counts: dict[str, int], live_limit: int, terminal_limit: int) ->
     return over
 
 
-def oldest_eligible_pending_age(connection: Connection) -> float:
+def oldest_eligible_pending_age(connection: psycopg.Connection[Any]) -> float:
     """Seconds since the oldest pending task that may run now became runnable; 0 if none."""
-    return float(connection.execute(_OLDEST_ELIGIBLE).scalar_one())
+    return _scalar(connection, _OLDEST_ELIGIBLE, "oldest_eligible_pending_age")
 
 
-def oldest_xmin_holder_age(connection: Connection) -> float:
+def oldest_xmin_holder_age(connection: psycopg.Connection[Any]) -> float:
     """Seconds the transaction holding back cleanup on this database has been open; 0 if none.
 
     See `_OLDEST_XMIN_HOLDER` for which transaction that is; this connection's own is never it.
     """
-    return float(connection.execute(_OLDEST_XMIN_HOLDER).scalar_one())
+    return _scalar(connection, _OLDEST_XMIN_HOLDER, "oldest_xmin_holder_age")
+
+
+def _scalar(connection: psycopg.Connection[Any], statement: str, what: str) -> float:
+    with driver_errors(what):
+        row = connection.execute(statement).fetchone()
+    assert row is not None  # an aggregate without GROUP BY returns one row
+    return float(row[0])

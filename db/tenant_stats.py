@@ -59,10 +59,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Result, text
+import psycopg
 from sqlalchemy.exc import OperationalError
 
-from db import errors, statistics
+from db import connector, errors, statistics
+from db.engine import driver_errors
 from db.models import TaskStatus
 
 # How many companies each ranking of `queue_stats` lists.
@@ -180,7 +181,7 @@ class QueueStats(Figures):
 
 
 @contextmanager
-def time_limit(connection: Connection, timeout_ms: int) -> Iterator[None]:
+def time_limit(connection: psycopg.Connection[Any], timeout_ms: int) -> Iterator[None]:
     """Run the block's statements under `statement_timeout = timeout_ms` (this transaction).
 
     Raises `StatisticsTimeout` when the server cancels one; the transaction is then aborted
@@ -205,55 +206,51 @@ def time_limit(connection: Connection, timeout_ms: int) -> Iterator[None]:
 # A company's live figures in one statement, so one snapshot: pending is unfinished minus
 # processing, and both must be read at once. Each capped count reads at most live_limit + 1
 # entries of the company's own partial index (index-only: `SELECT FROM` reads no column).
-_COMPANY_LIVE = text(
-    """
+_COMPANY_LIVE = """
 /* tenant_stats.company_live */
 SELECT c.name, c.paused, c.max_pending, now() AS as_of, b.unfinished,
        (SELECT count(*) FROM (SELECT FROM tasks t
                               WHERE t.company_id = c.id AND t.status = 'processing'
-                              LIMIT :live_limit + 1) AS p) AS processing,
+                              LIMIT %(live_limit)s + 1) AS p) AS processing,
        (SELECT count(*) FROM (SELECT FROM tasks t
                               WHERE t.company_id = c.id AND fairq_runnable(t, now())
-                              LIMIT :live_limit + 1) AS r) AS runnable,
+                              LIMIT %(live_limit)s + 1) AS r) AS runnable,
        (SELECT count(*) FROM (SELECT FROM tasks t
                               WHERE t.company_id = c.id AND t.status = 'pending'
                                 AND t.run_after > now()
-                              LIMIT :live_limit + 1) AS d) AS delayed,
+                              LIMIT %(live_limit)s + 1) AS d) AS delayed,
        -- The first entry of the runnable range is the oldest runnable task.
        (SELECT CAST(extract(epoch FROM now() - t.run_after) AS float8) FROM tasks t
         WHERE t.company_id = c.id AND fairq_runnable(t, now())
         ORDER BY t.run_after LIMIT 1) AS oldest_wait
 FROM companies c
 JOIN company_backlogs b ON b.company_id = c.id
-WHERE c.id = :company_id
+WHERE c.id = %(company_id)s
 """
-)
 
 # A company's newest tasks but its leased ones, at most finished_limit + 1, newest first
 # through its listing index (company_id, created_at DESC, id DESC) WHERE status <>
 # 'processing': a heap fetch each for status and finished_at. Fewer than that: the company's
 # whole history, so every count is exact.
-_COMPANY_HISTORY = text(
-    """
+_COMPANY_HISTORY = """
 /* tenant_stats.company_history */
 SELECT count(*) AS scanned,
        count(*) FILTER (WHERE h.status = 'completed') AS completed,
        count(*) FILTER (WHERE h.status = 'failed') AS failed,
        count(*) FILTER (WHERE h.status = 'cancelled') AS cancelled,
-       count(*) FILTER (WHERE h.status = 'completed' AND h.finished_at >= now() - :short_window)
+       count(*) FILTER (WHERE h.status = 'completed' AND h.finished_at >= now() - %(short_window)s)
            AS completed_last_5m,
-       count(*) FILTER (WHERE h.status = 'failed' AND h.finished_at >= now() - :short_window)
+       count(*) FILTER (WHERE h.status = 'failed' AND h.finished_at >= now() - %(short_window)s)
            AS failed_last_5m,
-       count(*) FILTER (WHERE h.status = 'completed' AND h.finished_at >= now() - :long_window)
+       count(*) FILTER (WHERE h.status = 'completed' AND h.finished_at >= now() - %(long_window)s)
            AS completed_last_60m,
-       count(*) FILTER (WHERE h.status = 'failed' AND h.finished_at >= now() - :long_window)
+       count(*) FILTER (WHERE h.status = 'failed' AND h.finished_at >= now() - %(long_window)s)
            AS failed_last_60m
 FROM (SELECT t.status, t.finished_at FROM tasks t
-      WHERE t.company_id = :company_id AND t.status <> 'processing'
+      WHERE t.company_id = %(company_id)s AND t.status <> 'processing'
       ORDER BY t.created_at DESC, t.id DESC
-      LIMIT :finished_limit + 1) AS h
+      LIMIT %(finished_limit)s + 1) AS h
 """
-)
 
 # The queue's newest finished tasks (completed or failed), at most finished_limit + 1, newest
 # first: a backward scan of ix_tasks_terminal_finished_at (the status list implies its
@@ -263,31 +260,29 @@ FROM (SELECT t.status, t.finished_at FROM tasks t
 # without, the index order with the LIMIT is the only cheap plan. A window is counted exactly
 # when the scan reached past it (`covers_*`) or read every finished task; else the scan
 # covers [reached, now()]. Counts are of `company_id`'s tasks, or of all when it is NULL.
-_RECENTLY_FINISHED = text(
-    """
+_RECENTLY_FINISHED = """
 /* tenant_stats.recently_finished */
 SELECT count(*) AS scanned,
        CAST(extract(epoch FROM now() - min(f.finished_at)) AS float8) AS covered_seconds,
        count(*) FILTER (WHERE f.mine AND f.status = 'completed'
-                          AND f.finished_at >= now() - :short_window) AS completed_last_5m,
+                          AND f.finished_at >= now() - %(short_window)s) AS completed_last_5m,
        count(*) FILTER (WHERE f.mine AND f.status = 'failed'
-                          AND f.finished_at >= now() - :short_window) AS failed_last_5m,
+                          AND f.finished_at >= now() - %(short_window)s) AS failed_last_5m,
        count(*) FILTER (WHERE f.mine AND f.status = 'completed'
-                          AND f.finished_at >= now() - :long_window) AS completed_last_60m,
+                          AND f.finished_at >= now() - %(long_window)s) AS completed_last_60m,
        count(*) FILTER (WHERE f.mine AND f.status = 'failed'
-                          AND f.finished_at >= now() - :long_window) AS failed_last_60m,
-       coalesce(bool_or(f.finished_at < now() - :short_window), false) AS covers_short_window,
-       coalesce(bool_or(f.finished_at < now() - :long_window), false) AS covers_long_window
+                          AND f.finished_at >= now() - %(long_window)s) AS failed_last_60m,
+       coalesce(bool_or(f.finished_at < now() - %(short_window)s), false) AS covers_short_window,
+       coalesce(bool_or(f.finished_at < now() - %(long_window)s), false) AS covers_long_window
 FROM (SELECT t.status, t.finished_at,
-             CAST(:company_id AS uuid) IS NULL OR t.company_id = CAST(:company_id AS uuid)
+             CAST(%(company_id)s AS uuid) IS NULL OR t.company_id = CAST(%(company_id)s AS uuid)
                  AS mine
       FROM tasks t
       -- NOT NULL: the index's backward order is DESC NULLS FIRST.
       WHERE t.status IN ('completed', 'failed') AND t.finished_at IS NOT NULL
       ORDER BY t.finished_at DESC
-      LIMIT :finished_limit + 1) AS f
+      LIMIT %(finished_limit)s + 1) AS f
 """
-)
 
 # The queue's live figures and finished counts in one statement (one snapshot). Runnable and
 # delayed tasks are counted company by company, from the companies that can have them
@@ -296,45 +291,42 @@ FROM (SELECT t.status, t.finished_at,
 # the scans read only matching entries, at most live_limit + 1 in all. (A plain count over
 # the pending index would filter on run_after and could read every delayed entry first.)
 # The LIMIT inside the lateral keeps it a per-company probe the planner cannot flatten.
-_QUEUE_LIVE = text(
-    """
+_QUEUE_LIVE = """
 /* tenant_stats.queue_live */
 SELECT now() AS as_of, u.unfinished, p.processing, r.runnable, d.delayed,
        f.scanned AS finished_scanned, f.completed, f.failed, f.cancelled
 FROM (SELECT coalesce(sum(b.unfinished), 0) AS unfinished FROM company_backlogs b) AS u,
      (SELECT count(*) AS processing
       FROM (SELECT FROM tasks t WHERE t.status = 'processing'
-            LIMIT :live_limit + 1) AS x) AS p,
+            LIMIT %(live_limit)s + 1) AS x) AS p,
      (SELECT count(*) AS runnable
       FROM (SELECT FROM company_queues q
             CROSS JOIN LATERAL (SELECT FROM tasks t
                                 WHERE t.company_id = q.company_id
                                   AND fairq_runnable(t, now())
-                                LIMIT :live_limit + 1) AS e
+                                LIMIT %(live_limit)s + 1) AS e
             WHERE q.due_at <= now()
-            LIMIT :live_limit + 1) AS x) AS r,
+            LIMIT %(live_limit)s + 1) AS x) AS r,
      (SELECT count(*) AS delayed
       FROM (SELECT FROM company_queues q
             CROSS JOIN LATERAL (SELECT FROM tasks t
                                 WHERE t.company_id = q.company_id AND t.status = 'pending'
                                   AND t.run_after > now()
-                                LIMIT :live_limit + 1) AS e
+                                LIMIT %(live_limit)s + 1) AS e
             WHERE q.due_at IS NOT NULL
-            LIMIT :live_limit + 1) AS x) AS d,
+            LIMIT %(live_limit)s + 1) AS x) AS d,
      (SELECT count(*) AS scanned,
              count(*) FILTER (WHERE x.status = 'completed') AS completed,
              count(*) FILTER (WHERE x.status = 'failed') AS failed,
              count(*) FILTER (WHERE x.status = 'cancelled') AS cancelled
       FROM (SELECT t.status FROM tasks t
             WHERE t.status IN ('completed', 'failed', 'cancelled')
-            LIMIT :finished_limit + 1) AS x) AS f
+            LIMIT %(finished_limit)s + 1) AS x) AS f
 """
-)
 
 # The ranking by backlog: the most unfinished tasks first, ties by id. One pass over
 # company_backlogs (a row per company) with a top-N sort, then a probe per listed company.
-_TOP_BY_BACKLOG = text(
-    """
+_TOP_BY_BACKLOG = """
 /* tenant_stats.top_by_backlog */
 SELECT c.id AS company_id, c.name, c.paused, c.max_pending, b.unfinished,
        (SELECT CAST(extract(epoch FROM now() - t.run_after) AS float8) FROM tasks t
@@ -343,18 +335,16 @@ SELECT c.id AS company_id, c.name, c.paused, c.max_pending, b.unfinished,
 FROM (SELECT k.company_id, k.unfinished FROM company_backlogs k
       WHERE k.unfinished > 0
       ORDER BY k.unfinished DESC, k.company_id
-      LIMIT :top) AS b
+      LIMIT %(top)s) AS b
 JOIN companies c ON c.id = b.company_id
 ORDER BY b.unfinished DESC, b.company_id
 """
-)
 
 # The ranking by oldest runnable wait: one probe per company whose due_at has come (the first
 # entry of its runnable range), the earliest first, ties by id; then the listed companies'
 # rows. A company whose due_at is stale (its due tasks were claimed) finds nothing and drops
 # out.
-_TOP_BY_OLDEST_WAIT = text(
-    """
+_TOP_BY_OLDEST_WAIT = """
 /* tenant_stats.top_by_oldest_wait */
 SELECT c.id AS company_id, c.name, c.paused, c.max_pending, b.unfinished,
        CAST(extract(epoch FROM now() - o.run_after) AS float8) AS oldest_wait
@@ -365,12 +355,11 @@ FROM (SELECT q.company_id, e.run_after
                           ORDER BY t.run_after LIMIT 1) AS e
       WHERE q.due_at <= now()
       ORDER BY e.run_after, q.company_id
-      LIMIT :top) AS o
+      LIMIT %(top)s) AS o
 JOIN companies c ON c.id = o.company_id
 JOIN company_backlogs b ON b.company_id = o.company_id
 ORDER BY o.run_after, o.company_id
 """
-)
 
 # Past a limit, figures are estimated from a sample of `tasks`: about `pages` of its pages
 # (`Limits.sample_pages`) picked at random (TABLESAMPLE SYSTEM: whole pages, each with the
@@ -381,10 +370,9 @@ ORDER BY o.run_after, o.company_id
 # if independent, so (every finished task's run_after being past) it counts most pending tasks
 # runnable, and it gives a company that never finished a task its share of everyone's
 # (scripts/bench_stats.py: 42% too many runnable tasks; 105,527 completed for the whale).
-_SAMPLE = text(
-    """
+_SAMPLE = """
 /* tenant_stats.sample */
-SELECT CAST(least(100, 100.0 * :pages / greatest(pg_relation_size('tasks')
+SELECT CAST(least(100, 100.0 * %(pages)s / greatest(pg_relation_size('tasks')
                   / CAST(current_setting('block_size') AS int), 1)) AS float8) AS percent,
        count(*) FILTER (WHERE s.status = 'pending') AS pending,
        count(*) FILTER (WHERE s.runnable) AS runnable,
@@ -394,11 +382,11 @@ SELECT CAST(least(100, 100.0 * :pages / greatest(pg_relation_size('tasks')
        count(*) FILTER (WHERE s.status = 'cancelled') AS cancelled
 FROM (SELECT t.status, fairq_runnable(t, now()) AS runnable
       -- The same percent as above (TABLESAMPLE takes no subquery).
-      FROM tasks t TABLESAMPLE SYSTEM (least(100, 100.0 * :pages / greatest(
+      FROM tasks t TABLESAMPLE SYSTEM (least(100, 100.0 * %(pages)s / greatest(
                pg_relation_size('tasks') / CAST(current_setting('block_size') AS int), 1)))
-      WHERE CAST(:company_id AS uuid) IS NULL OR t.company_id = CAST(:company_id AS uuid)) AS s
+      WHERE CAST(%(company_id)s AS uuid) IS NULL
+         OR t.company_id = CAST(%(company_id)s AS uuid)) AS s
 """
-)
 
 
 @dataclass(frozen=True)
@@ -419,7 +407,9 @@ class _Sample:
 class _Sampler:
     """Takes the sample the first time an estimate needs it, at most once."""
 
-    def __init__(self, connection: Connection, company_id: uuid.UUID | None, pages: int) -> None:
+    def __init__(
+        self, connection: psycopg.Connection[Any], company_id: uuid.UUID | None, pages: int
+    ) -> None:
         self._connection = connection
         self._company_id = company_id
         self._pages = pages
@@ -427,15 +417,14 @@ class _Sampler:
 
     def __call__(self) -> _Sample:
         if self._sample is None:
-            row = self._connection.execute(
-                _SAMPLE, {"pages": self._pages, "company_id": self._company_id}
-            ).one()
+            params = {"pages": self._pages, "company_id": self._company_id}
+            row = _one(self._connection, _SAMPLE, params, "sample")
             self._sample = _Sample(
                 percent=float(row.percent),
                 pending=int(row.pending),
                 runnable=int(row.runnable),
                 processing=int(row.processing),
-                by_status={status: int(row._mapping[status.value]) for status in TaskStatus},
+                by_status={status: int(getattr(row, status.value)) for status in TaskStatus},
             )
         return self._sample
 
@@ -508,7 +497,7 @@ def _live_figures(
 
 
 def company_stats(
-    connection: Connection, company_id: uuid.UUID, *, limits: Limits | None = None
+    connection: psycopg.Connection[Any], company_id: uuid.UUID, *, limits: Limits | None = None
 ) -> CompanyStats:
     """The figures of `company_id` (module docstring). Raises `errors.NotFound`.
 
@@ -516,9 +505,13 @@ def company_stats(
     (`limits.finished` + 1) rows, plus one index probe and, past a limit, one sample.
     """
     limits = limits or Limits()
-    row = connection.execute(
-        _COMPANY_LIVE, {"company_id": company_id, "live_limit": limits.live}
-    ).one_or_none()
+    params = {"company_id": company_id, "live_limit": limits.live}
+    with driver_errors("company_live"):
+        row = (
+            connection.cursor(row_factory=connector.NAMED_ROWS)
+            .execute(_COMPANY_LIVE, params)
+            .fetchone()
+        )
     if row is None:
         raise errors.NotFound("company not found")
     sample = _Sampler(connection, company_id, limits.sample_pages)
@@ -532,12 +525,14 @@ def company_stats(
     )
     estimated = set(live.estimated)
 
-    history = connection.execute(
+    history = _one(
+        connection,
         _COMPANY_HISTORY,
         {"company_id": company_id, "finished_limit": limits.finished, **_windows()},
-    ).one()
-    finished = {status: int(history._mapping[status.value]) for status in FINISHED_STATUSES}
-    recent = {name: int(history._mapping[name]) for name in RECENT_FIELDS}
+        "company_history",
+    )
+    finished = {status: int(getattr(history, status.value)) for status in FINISHED_STATUSES}
+    recent = {name: int(getattr(history, name)) for name in RECENT_FIELDS}
     if history.scanned > limits.finished:
         # Not its whole history: what was counted is a lower bound.
         for status in FINISHED_STATUSES:
@@ -573,7 +568,7 @@ def company_stats(
 
 
 def _recently_finished(
-    connection: Connection, company_id: uuid.UUID | None, limits: Limits
+    connection: psycopg.Connection[Any], company_id: uuid.UUID | None, limits: Limits
 ) -> tuple[dict[str, int], set[str]]:
     """Completed and failed counts of the last 5 and 60 minutes, and those that are estimates.
 
@@ -581,11 +576,13 @@ def _recently_finished(
     limit within the hour covers only [reached, now]: the counts in it are scaled by window /
     covered time (a steady rate), except the 5-minute ones when it reached past 5 minutes ago.
     """
-    row = connection.execute(
+    row = _one(
+        connection,
         _RECENTLY_FINISHED,
         {"company_id": company_id, "finished_limit": limits.finished, **_windows()},
-    ).one()
-    counts = {name: int(row._mapping[name]) for name in RECENT_FIELDS}
+        "recently_finished",
+    )
+    counts = {name: int(getattr(row, name)) for name in RECENT_FIELDS}
     if row.scanned <= limits.finished or row.covers_long_window:
         return counts, set()
     # Rows with the same finished_at as the last one read may be left out: at most a batch.
@@ -607,7 +604,7 @@ def _recently_finished(
 
 
 def queue_stats(
-    connection: Connection, *, limits: Limits | None = None, top: int = TOP_COMPANIES
+    connection: psycopg.Connection[Any], *, limits: Limits | None = None, top: int = TOP_COMPANIES
 ) -> QueueStats:
     """The figures of the whole queue and its two rankings of `top` companies.
 
@@ -616,9 +613,12 @@ def queue_stats(
     and, past a limit, one sample or the planner's estimates of the statuses.
     """
     limits = limits or Limits()
-    row = connection.execute(
-        _QUEUE_LIVE, {"live_limit": limits.live, "finished_limit": limits.finished}
-    ).one()
+    row = _one(
+        connection,
+        _QUEUE_LIVE,
+        {"live_limit": limits.live, "finished_limit": limits.finished},
+        "queue_live",
+    )
     live = _live_figures(
         unfinished=int(row.unfinished),
         processing=int(row.processing),
@@ -629,7 +629,7 @@ def queue_stats(
     )
     estimated = set(live.estimated)
 
-    finished = {status: int(row._mapping[status.value]) for status in FINISHED_STATUSES}
+    finished = {status: int(getattr(row, status.value)) for status in FINISHED_STATUSES}
     if row.finished_scanned > limits.finished:
         # Over the limit together: each one's estimate (the status alone: the planner's
         # statistics are right there, as for the gauges), never below what was counted.
@@ -662,20 +662,49 @@ def queue_stats(
     )
 
 
-def top_by_backlog(connection: Connection, top: int = TOP_COMPANIES) -> tuple[CompanyRank, ...]:
+def top_by_backlog(
+    connection: psycopg.Connection[Any], top: int = TOP_COMPANIES
+) -> tuple[CompanyRank, ...]:
     """The `top` companies with the most unfinished tasks (none without any), most first."""
-    return _ranks(connection.execute(_TOP_BY_BACKLOG, {"top": top}))
+    return _ranks(_all(connection, _TOP_BY_BACKLOG, {"top": top}, "top_by_backlog"))
 
 
-def top_by_oldest_wait(connection: Connection, top: int = TOP_COMPANIES) -> tuple[CompanyRank, ...]:
+def top_by_oldest_wait(
+    connection: psycopg.Connection[Any], top: int = TOP_COMPANIES
+) -> tuple[CompanyRank, ...]:
     """The `top` companies whose oldest runnable task has waited longest, longest first.
 
     Only companies with a runnable task; paused ones included (their `paused` says so).
     """
-    return _ranks(connection.execute(_TOP_BY_OLDEST_WAIT, {"top": top}))
+    return _ranks(_all(connection, _TOP_BY_OLDEST_WAIT, {"top": top}, "top_by_oldest_wait"))
 
 
-def _ranks(rows: Result[Any]) -> tuple[CompanyRank, ...]:
+def _one(
+    connection: psycopg.Connection[Any], statement: str, params: dict[str, Any], what: str
+) -> Any:
+    """The one row of `statement` (an aggregate), its columns as attributes."""
+    with driver_errors(what):
+        row = (
+            connection.cursor(row_factory=connector.NAMED_ROWS)
+            .execute(statement, params)
+            .fetchone()
+        )
+    assert row is not None
+    return row
+
+
+def _all(
+    connection: psycopg.Connection[Any], statement: str, params: dict[str, Any], what: str
+) -> list[Any]:
+    with driver_errors(what):
+        return (
+            connection.cursor(row_factory=connector.NAMED_ROWS)
+            .execute(statement, params)
+            .fetchall()
+        )
+
+
+def _ranks(rows: list[Any]) -> tuple[CompanyRank, ...]:
     return tuple(
         CompanyRank(
             company_id=row.company_id,

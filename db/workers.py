@@ -2,7 +2,8 @@
 leases of the dead, and what workers read of the companies whose tasks they hold.
 
 Sent to psycopg directly; each function takes the connection and never commits (the caller
-owns the transaction; in autocommit each statement is its own).
+owns the transaction; in autocommit each statement is its own). Driver errors come out
+translated (`db.engine.driver_errors`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Collection
 from typing import Any, NamedTuple
 
 import psycopg
+
+from db.engine import driver_errors
 
 # A worker trusts what it read of its companies' pauses (`paused_companies`) for at most this
 # long, counted from before the read was sent; a pause answers only this long after it
@@ -28,7 +31,8 @@ def paused_companies(
     """Which of `company_ids` are paused now: primary-key probes, a read that writes nothing."""
     if not company_ids:
         return set()
-    rows = conn.execute(_PAUSED_COMPANIES, {"ids": list(company_ids)}).fetchall()
+    with driver_errors("paused_companies"):
+        rows = conn.execute(_PAUSED_COMPANIES, {"ids": list(company_ids)}).fetchall()
     return {row[0] for row in rows}
 
 
@@ -42,11 +46,12 @@ def register(conn: psycopg.Connection[Any], worker_id: str, *, host: str, pid: i
     carry it in `tasks.locked_by`. Registering again (after `heartbeat` found the row gone)
     starts afresh.
     """
-    conn.execute(
-        "INSERT INTO workers (id, host, pid) VALUES (%(id)s, %(host)s, %(pid)s) "
-        "ON CONFLICT (id) DO UPDATE SET heartbeat_at = now()",
-        {"id": worker_id, "host": host, "pid": pid},
-    )
+    with driver_errors("register_worker"):
+        conn.execute(
+            "INSERT INTO workers (id, host, pid) VALUES (%(id)s, %(host)s, %(pid)s) "
+            "ON CONFLICT (id) DO UPDATE SET heartbeat_at = now()",
+            {"id": worker_id, "host": host, "pid": pid},
+        )
 
 
 def heartbeat(conn: psycopg.Connection[Any], worker_id: str) -> bool:
@@ -56,15 +61,17 @@ def heartbeat(conn: psycopg.Connection[Any], worker_id: str) -> bool:
     it never registered). Its leases are then lost, all of them: it must start none of the
     tasks it holds, and `register` again before it claims.
     """
-    cursor = conn.execute(
-        "UPDATE workers SET heartbeat_at = now() WHERE id = %(id)s", {"id": worker_id}
-    )
+    with driver_errors("worker_heartbeat"):
+        cursor = conn.execute(
+            "UPDATE workers SET heartbeat_at = now() WHERE id = %(id)s", {"id": worker_id}
+        )
     return cursor.rowcount == 1
 
 
 def deregister(conn: psycopg.Connection[Any], worker_id: str) -> None:
     """Delete the worker's row: it exits, holding no lease (it handed back what it held)."""
-    conn.execute("DELETE FROM workers WHERE id = %(id)s", {"id": worker_id})
+    with driver_errors("deregister_worker"):
+        conn.execute("DELETE FROM workers WHERE id = %(id)s", {"id": worker_id})
 
 
 class TakenBack(NamedTuple):
@@ -145,5 +152,7 @@ def take_back_leases(
     still writes changes nothing (fenced finalization), and a heartbeat it sends finds its
     row gone. The one place leases are taken back (decision 0010).
     """
-    rows = conn.execute(_TAKE_BACK_LEASES, {"stale_after": stale_after, "limit": limit})
-    return [TakenBack(*row) for row in rows.fetchall()]
+    with driver_errors("take_back_leases"):
+        params = {"stale_after": stale_after, "limit": limit}
+        rows = conn.execute(_TAKE_BACK_LEASES, params).fetchall()
+    return [TakenBack(*row) for row in rows]

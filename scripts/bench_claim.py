@@ -1,7 +1,7 @@
 """Time our claim against the previous claim and the floor, per tenant shape (issue 9).
 
 Variants, each claiming a batch of 100 in a transaction that is rolled back afterwards:
-- ours: `db.queue.claim(session, worker_id=..., batch_size=100)` exactly as workers run it,
+- ours: `db.queue.claim(conn, worker_id=..., batch_size=100)` exactly as workers run it,
   whatever statements it sends, timed as a whole; the only thing of `db.queue` the timings
   use, so they measure whatever the claim is. By statement (`--no-breakdown` skips it): the
   time of each statement it sends through a psycopg cursor is recorded too, at the driver (a
@@ -88,6 +88,7 @@ from sqlalchemy.orm import Session
 
 from db import engine as db_engine
 from db import queue
+from db.engine import driver_connection
 from devtools import stack
 from scripts import perf_seed
 from worker import processing
@@ -387,7 +388,9 @@ class Variant:
 
 
 def _ours(session: Session) -> Sequence[Any]:
-    return queue.claim(session, worker_id=WORKER, batch_size=BATCH)
+    return queue.claim(
+        driver_connection(session, transaction=False), worker_id=WORKER, batch_size=BATCH
+    )
 
 
 OURS = Variant("ours", _ours)

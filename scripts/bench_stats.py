@@ -52,12 +52,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import requests
 from sqlalchemy import Connection, Engine, event, text
 
 from db import queue_health, tenant_stats
 from db import statistics as gauges
+from db.engine import driver_connection
 from devtools import stack
 from scripts import perf_seed
 
@@ -212,16 +212,19 @@ class StatementTimer:
 
 def in_transaction(engine: Engine, read: Callable[[Connection], object]) -> None:
     """Run `read` as the API does: a transaction of its own under the statement timeout."""
-    with engine.connect() as conn, conn.begin(), tenant_stats.time_limit(conn, TIMEOUT_MS):
+    with (
+        engine.connect() as conn,
+        conn.begin(),
+        tenant_stats.time_limit(driver_connection(conn, transaction=False), TIMEOUT_MS),
+    ):
         read(conn)
 
 
 def gauge_scrape(conn: Connection) -> None:
     """What `api.metrics.QueueCollector` reads per scrape."""
-    gauges.tasks_by_status(conn)
-    gauges.oldest_xmin_holder_age(conn)
-    driver = conn.connection.driver_connection
-    assert isinstance(driver, psycopg.Connection)
+    driver = driver_connection(conn, transaction=False)
+    gauges.tasks_by_status(driver)
+    gauges.oldest_xmin_holder_age(driver)
     queue_health.waiting(driver)
     queue_health.table_tuples(driver)
 
@@ -234,9 +237,13 @@ def measure_queries(
     functions: dict[str, list[float]] = defaultdict(list)
     variants: dict[str, Callable[[Connection], object]] = {
         "gauges' scrape (reference)": gauge_scrape,
-        "company_stats, typical company": lambda c: tenant_stats.company_stats(c, typical),
-        "company_stats, whale": lambda c: tenant_stats.company_stats(c, whale),
-        "queue_stats": tenant_stats.queue_stats,
+        "company_stats, typical company": lambda c: tenant_stats.company_stats(
+            driver_connection(c, transaction=False), typical
+        ),
+        "company_stats, whale": lambda c: tenant_stats.company_stats(
+            driver_connection(c, transaction=False), whale
+        ),
+        "queue_stats": lambda c: tenant_stats.queue_stats(driver_connection(c, transaction=False)),
     }
     for round_ in range(rounds + 1):  # round 0 warms the cache, not counted
         for name, read in variants.items():
@@ -360,10 +367,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             with engine.connect() as conn:
                 for name, company in (("typical", typical), ("whale", whale)):
-                    stats = tenant_stats.company_stats(conn, company)
+                    stats = tenant_stats.company_stats(
+                        driver_connection(conn, transaction=False), company
+                    )
                     print(f"{name}: {stats.tasks}, runnable {stats.runnable:,}, estimated "
                           f"{list(stats.estimated)}")  # fmt: skip
-                queue = tenant_stats.queue_stats(conn)
+                queue = tenant_stats.queue_stats(driver_connection(conn, transaction=False))
                 print(f"queue: {queue.tasks}, runnable {queue.runnable:,}, "
                       f"completed_last_60m {queue.completed_last_60m:,}, "
                       f"estimated {list(queue.estimated)}")  # fmt: skip

@@ -77,6 +77,7 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.engine import make_url
 
 from db import statistics as queue_statistics
+from db.engine import driver_connection
 from devtools import stack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,7 +219,7 @@ class SnapshotHolder:
 def holder_gauge(conn: Connection) -> float:
     """What the API's `oldest_xmin_holder_age_seconds` would say now (read, rolled back)."""
     try:
-        return queue_statistics.oldest_xmin_holder_age(conn)
+        return queue_statistics.oldest_xmin_holder_age(driver_connection(conn, transaction=False))
     finally:
         conn.rollback()
 

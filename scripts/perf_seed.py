@@ -59,7 +59,7 @@ from sqlalchemy import Connection, Engine, pool, text
 from sqlalchemy.orm import Session
 
 from db import queue
-from db.engine import make_engine
+from db.engine import driver_connection, make_engine
 from devtools import stack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -262,9 +262,15 @@ def _catch_up(engine: Engine) -> None:
     waiting = _count(engine, _NOT_YET_PROMOTED)
     while waiting:
         with Session(engine) as session:
-            batch = queue.claim(session, worker_id=CATCH_UP_WORKER, batch_size=1)
+            batch = queue.claim(
+                driver_connection(session, transaction=False),
+                worker_id=CATCH_UP_WORKER,
+                batch_size=1,
+            )
             session.commit()
-            queue.release_tasks(session, [task.lease for task in batch])
+            queue.release_tasks(
+                driver_connection(session, transaction=False), [task.lease for task in batch]
+            )
             session.commit()
         left = _count(engine, _NOT_YET_PROMOTED)
         if left >= waiting:

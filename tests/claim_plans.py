@@ -118,7 +118,11 @@ def claim_statements(
             "FROM unnest(CAST(%s AS text[]), CAST(%s AS text[])) AS s(name, value)",
             (list(settings), list(settings.values())),
         )
-        batch = queue.claim(session, worker_id=worker_id, batch_size=batch_size)
+        batch = queue.claim(
+            driver_connection(session, transaction=False),
+            worker_id=worker_id,
+            batch_size=batch_size,
+        )
         # auto_explain logs a statement when its executor ends, which for the call is when
         # its portal is closed: at the next statement, this one. It turns the logging off,
         # after its own start, so it is not logged itself.

@@ -3,7 +3,9 @@
 - `db_session`: a session inside an outer transaction rolled back after the test; commits in
   the code under test become savepoint releases (SQLAlchemy "Joining a Session into an
   External Transaction").
-- `client`: the Flask test client whose sessions join that same transaction.
+- `db_conn`: the psycopg connection of that same transaction, for `db` functions.
+- `client`: the Flask test client whose requests run in that same transaction too: the
+  app's request connection is wrapped (`JoinedSource`), each request in a savepoint.
 - `fresh_db_url`: a new database copied from the migrated template, for tests whose threads
   or processes must see each other's commits.
 - `supervisor`: starts `python -m worker` on that database (`tests/supervisor_harness.py`).
@@ -17,7 +19,9 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
@@ -74,6 +78,21 @@ def connection(engine: Engine) -> Iterator[Connection]:
 
 
 @pytest.fixture
+def db_conn(connection: Connection) -> psycopg.Connection[Any]:
+    """The psycopg connection holding the test's outer transaction (`connection`'s).
+
+    `conn.transaction()` on it makes savepoints: what the code under test commits vanishes
+    with the test's transaction.
+    """
+    # The transaction begins at the first statement: before a `conn.transaction()` would
+    # take the connection for idle and commit.
+    connection.exec_driver_sql("SELECT 1")
+    driver = connection.connection.driver_connection
+    assert isinstance(driver, psycopg.Connection)
+    return driver
+
+
+@pytest.fixture
 def session_factory(connection: Connection) -> sessionmaker[Session]:
     """Sessions that join the test's outer transaction through savepoints."""
     return sessionmaker(
@@ -114,21 +133,38 @@ def shared_app(main_db_url: str) -> Iterator[Flask]:
     """One app for the session: building the OpenAPI spec per test would dominate run time."""
     app = make_test_app(main_db_url)
     yield app
-    from api import database
+    database.close(app)
 
-    database.engine_of(app).dispose()
+
+class JoinedSource:
+    """The request connection of an app under test: the test's own connection, each request
+    in a savepoint of the test's transaction (rolled back to when a statement failed, as a
+    statement in autocommit leaves nothing behind)."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+
+    def checkout(self) -> psycopg.Connection[Any]:
+        """The test's connection, in a new savepoint."""
+        self.conn.execute("SAVEPOINT fairq_request")
+        return self.conn
+
+    def checkin(self, conn: psycopg.Connection[Any]) -> None:
+        """End the request's savepoint."""
+        if conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+            conn.execute("ROLLBACK TO SAVEPOINT fairq_request")
+        conn.execute("RELEASE SAVEPOINT fairq_request")
+
+    def close(self) -> None:
+        """Nothing: the connection is the test's."""
 
 
 @pytest.fixture
-def app(shared_app: Flask, session_factory: sessionmaker[Session]) -> Iterator[Flask]:
-    """The shared app, its request sessions joined to the test's outer transaction."""
-    from api import database
-
-    key = database._EXT
-    engine_, original = shared_app.extensions[key]
-    shared_app.extensions[key] = (engine_, session_factory)
+def app(shared_app: Flask, db_conn: psycopg.Connection[Any]) -> Iterator[Flask]:
+    """The shared app, its requests joined to the test's outer transaction."""
+    before = database.install(shared_app, JoinedSource(db_conn))
     yield shared_app
-    shared_app.extensions[key] = (engine_, original)
+    database.install(shared_app, before)
 
 
 @pytest.fixture
@@ -150,7 +186,7 @@ def serve_app(database_url: str) -> Iterator[int]:
         http.shutdown()
         thread.join(timeout=10)
         http.server_close()
-        database.engine_of(app).dispose()
+        database.close(app)
 
 
 @pytest.fixture(scope="module")

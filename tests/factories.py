@@ -70,7 +70,7 @@ def insert_company(db: Target, name: str = "acme") -> CompanyWithKey:
     """Store a company with a fresh key, then commit."""
     key = auth.new_api_key()
     with session_of(db) as session:
-        company = companies.create_company(session, name=name)
+        company = companies.create_company(driver_connection(session, transaction=False), name=name)
         add_key(session, company.id, key)
         session.commit()
         return CompanyWithKey(company.id, company.name, key)
@@ -258,7 +258,10 @@ def insert_weighted_company(
     """Store a company with this `weight` and `max_in_flight` (None: unlimited); commit."""
     key = auth.new_api_key()
     company = companies.create_company(
-        session, name=name, weight=weight, max_in_flight=max_in_flight
+        driver_connection(session, transaction=False),
+        name=name,
+        weight=weight,
+        max_in_flight=max_in_flight,
     )
     add_key(session, company.id, key)
     session.commit()

@@ -11,13 +11,19 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from alembic import command
 from alembic.config import Config
+from psycopg_pool import ConnectionPool
+from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
 
+from db import connector
 from devtools.embedded_postgres import EmbeddedPostgres, free_port
+from worker.processing.database import WORKER_STATEMENT_TIMEOUT_MS
 
 ROOT = Path(__file__).resolve().parent.parent
 # Per test session, so concurrent sessions (or a developer's run beside CI's) never share one.
@@ -121,3 +127,24 @@ def _remove_abandoned_servers() -> None:
         if not datadir.is_dir() or not suffix.isdigit() or _pid_alive(int(suffix)):
             continue
         EmbeddedPostgres(datadir, free_port()).destroy()
+
+
+@contextmanager
+def worker_pool(
+    target: Engine | sessionmaker[Session], application_name: str = "fairq-tests-worker"
+) -> Iterator[ConnectionPool[psycopg.Connection[Any]]]:
+    """A worker child's pool (one connection, worker statement timeout) on `target`'s
+    database, closed afterwards: what `processing.run_pass` takes."""
+    engine = target if isinstance(target, Engine) else target.kw["bind"]
+    assert isinstance(engine, Engine)
+    pool = connector.make_pool(
+        engine.url.render_as_string(hide_password=False),
+        application_name=application_name,
+        statement_timeout_ms=WORKER_STATEMENT_TIMEOUT_MS,
+        min_size=1,
+        max_size=1,
+    )
+    try:
+        yield pool
+    finally:
+        pool.close()

@@ -21,6 +21,7 @@ from api import database
 from api.companies.schemas import CompanyLimitsSchema
 from db import companies, models
 from db import errors as db_errors
+from db.engine import driver_connection
 from tests.conftest import ADMIN_TOKEN, make_test_app
 from tests.factories import MakeCompany, company_limits, json_of
 
@@ -207,7 +208,7 @@ def test_create_company_without_admin_token_configured_is_503_saying_so(
             headers={"Authorization": "Bearer anything-at-all-here"},
         )
     finally:
-        database.engine_of(app).dispose()
+        database.close(app)
 
     assert response.status_code == 503
     body = json_of(response)
@@ -634,7 +635,7 @@ def test_patch_without_admin_token_configured_is_503_saying_so(main_db_url: str)
             headers={"Authorization": "Bearer anything-at-all-here"},
         )
     finally:
-        database.engine_of(app).dispose()
+        database.close(app)
 
     assert response.status_code == 503
     assert "ADMIN_TOKEN" in json_of(response)["message"]
@@ -642,9 +643,13 @@ def test_patch_without_admin_token_configured_is_503_saying_so(main_db_url: str)
 
 def test_update_company_limits_is_one_statement_raising_not_found(db_session: Session) -> None:
     with pytest.raises(db_errors.NotFound):
-        companies.update_company_limits(db_session, uuid.uuid4(), weight=2)
+        companies.update_company_limits(
+            driver_connection(db_session, transaction=False), uuid.uuid4(), weight=2
+        )
     with pytest.raises(ValueError, match="weight, max_in_flight or max_pending"):
-        companies.update_company_limits(db_session, uuid.uuid4())
+        companies.update_company_limits(
+            driver_connection(db_session, transaction=False), uuid.uuid4()
+        )
 
 
 # --- The database's CHECKs behind the schema -------------------------------------------------
@@ -654,21 +659,21 @@ def test_update_company_limits_is_one_statement_raising_not_found(db_session: Se
 def check_app(main_db_url: str) -> Iterator[Flask]:
     """An app with a route writing limits past validation, straight into the CHECKs.
 
-    The write is never committed: it runs in a transaction of its own (the request's session
-    commits each statement), rolled back when the session closes.
+    The write is never committed: it runs in a transaction of its own, rolled back when the
+    error leaves it.
     """
     app = make_test_app(main_db_url)
     app.config["TESTING"] = False  # let error handlers run as in production
 
     @app.post("/unchecked/<field>/<int(signed=True):value>")
     def unchecked(field: str, value: int) -> str:
-        with database.session_factory()() as session:
-            company = companies.create_company(session, name="unchecked")
-            companies.update_company_limits(session, company.id, **{field: value})
+        with database.transaction() as conn:
+            company = companies.create_company(conn, name="unchecked")
+            companies.update_company_limits(conn, company.id, **{field: value})
         raise AssertionError("the CHECK constraint let the value through")
 
     yield app
-    database.engine_of(app).dispose()
+    database.close(app)
 
 
 @pytest.mark.parametrize(

@@ -11,13 +11,14 @@ import psycopg
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
-from sqlalchemy import Engine, event, pool, text
+from psycopg_pool import ConnectionPool
+from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from api import auth, database
 from api.settings import ApiSettings
-from db import queue
-from db.engine import make_engine
+from db import connector, queue
+from db.engine import driver_connection, make_engine
 from db.models import Task
 from tests.conftest import make_test_app
 from tests.factories import CompanyWithKey, add_key, insert_company
@@ -48,11 +49,45 @@ def clock(app: Flask, monkeypatch: pytest.MonkeyPatch) -> Iterator[Clock]:
 
 @pytest.fixture
 def own_app(fresh_db_url: str) -> Iterator[Flask]:
-    """An app on its own database with its own engine: statements commit as in production."""
+    """An app on its own database with its own pool: statements commit as in production."""
     app = make_test_app(fresh_db_url)
     yield app
-    database.engine_of(app).dispose()
-    database.probe_engine_of(app).dispose()
+    database.close(app)
+
+
+def pool_of(app: Flask) -> ConnectionPool[psycopg.Connection[Any]]:
+    """The pool of `app`'s request connections."""
+    source = database.source_of(app)
+    assert isinstance(source, database.Pooled)
+    return source.pool
+
+
+class Counted:
+    """`app`'s request connections, counted: how many were out at each checkout."""
+
+    def __init__(self, inner: database.ConnectionSource, on_checkout: Any = None) -> None:
+        self.inner = inner
+        self.out = 0
+        self.held: list[int] = []
+        self.on_checkout = on_checkout
+
+    def checkout(self) -> psycopg.Connection[Any]:
+        """The inner source's connection."""
+        conn = self.inner.checkout()
+        self.out += 1
+        self.held.append(self.out)
+        if self.on_checkout is not None:
+            self.on_checkout(conn)
+        return conn
+
+    def checkin(self, conn: psycopg.Connection[Any]) -> None:
+        """Back to the inner source."""
+        self.out -= 1
+        self.inner.checkin(conn)
+
+    def close(self) -> None:
+        """Close the inner source."""
+        self.inner.close()
 
 
 class Statements:
@@ -64,18 +99,18 @@ class Statements:
     alike are seen, and so are pings. Every connection the pool hands out is traced.
     """
 
-    def __init__(self, engine: Engine, trace_path: Path) -> None:
+    def __init__(self, trace_path: Path) -> None:
         self.pings = 0
         self._path = trace_path
         self._file = trace_path.open("w")
         self._start = 0
         self._traced: list[psycopg.pq.abc.PGconn] = []
-        event.listen(engine, "checkout", self._trace)
 
-    def _trace(self, dbapi_connection: Any, record: Any, proxy: Any) -> None:
-        if not any(pgconn is dbapi_connection.pgconn for pgconn in self._traced):
-            self._traced.append(dbapi_connection.pgconn)
-            self._start_trace(dbapi_connection.pgconn)
+    def trace(self, conn: psycopg.Connection[Any]) -> None:
+        """Trace `conn` from now on (once)."""
+        if not any(pgconn is conn.pgconn for pgconn in self._traced):
+            self._traced.append(conn.pgconn)
+            self._start_trace(conn.pgconn)
 
     def _start_trace(self, pgconn: psycopg.pq.abc.PGconn) -> None:
         pgconn.trace(self._file.fileno())
@@ -132,25 +167,27 @@ class Statements:
 def statements(
     own_app: Flask, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> Iterator[Statements]:
-    """Round trips of `own_app`'s engine, and its pings, from now on."""
-    engine = database.engine_of(own_app)
-    # Connections opened before would go untraced: the trace starts on a fresh pool.
-    engine.dispose()
-    seen = Statements(engine, tmp_path / "libpq-trace.txt")
-    ping = engine.dialect.do_ping
+    """Round trips of `own_app`'s request connections, and their pings, from now on."""
+    seen = Statements(tmp_path / "libpq-trace.txt")
+    ping = ConnectionPool.check_connection
 
-    def counted(dbapi_connection: Any) -> bool:
+    def counted(conn: psycopg.Connection[Any]) -> None:
         seen.pings += 1
-        return ping(dbapi_connection)
+        ping(conn)
 
-    monkeypatch.setattr(engine.dialect, "do_ping", counted)
+    monkeypatch.setattr(ConnectionPool, "check_connection", staticmethod(counted))
+    before = database.install(own_app, Counted(database.source_of(own_app), seen.trace))
     yield seen
-    engine.dispose()
+    database.install(own_app, before)
     seen.close()
 
 
 def _own_company(app: Flask) -> CompanyWithKey:
-    return insert_company(database.engine_of(app))
+    engine = make_engine(app.config["FAIRQ_SETTINGS"].database_url, application_name="fairq-tests")
+    try:
+        return insert_company(engine)
+    finally:
+        engine.dispose()
 
 
 def test_a_create_is_one_statement_in_autocommit_with_no_ping(
@@ -210,62 +247,60 @@ def test_a_created_task_wakes_listeners_once_committed(own_app: Flask, fresh_db_
 
 
 def test_a_pooled_connection_killed_while_idle_is_replaced_before_use(fresh_db_url: str) -> None:
-    engine = make_engine(fresh_db_url, ping_after_idle=0.0, pool_size=1, max_overflow=0)
+    pool = connector.make_pool(fresh_db_url, application_name="fairq-tests", min_size=1, max_size=1)
     try:
-        with engine.connect() as conn:
-            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        conn = connector.checkout(pool, ping_after_idle=0.0)
+        pid = conn.info.backend_pid
+        connector.checkin(pool, conn)
         # Terminate the pooled connection's server process, as a restart would.
-        killer = make_engine(fresh_db_url, poolclass=pool.NullPool)
-        with killer.connect() as conn:
-            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
-        killer.dispose()
+        with connector.connect(fresh_db_url, application_name="fairq-tests") as killer:
+            killer.execute("SELECT pg_terminate_backend(%(pid)s)", {"pid": pid})
 
-        with engine.connect() as conn:
-            assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != pid
+        conn = connector.checkout(pool, ping_after_idle=0.0)
+        try:
+            assert conn.execute("SELECT pg_backend_pid()").fetchone() != (pid,)
+        finally:
+            connector.checkin(pool, conn)
     finally:
-        engine.dispose()
+        pool.close()
 
 
 def test_a_connection_lost_mid_request_fails_that_request_and_no_other(
     own_app: Flask, fresh_db_url: str
 ) -> None:
     company = _own_company(own_app)
-    engine = database.engine_of(own_app)
-    # Two pooled connections, used just now (so not pinged), whose server processes die
+    pool = pool_of(own_app)
+    # Every pooled connection, used just now (so not pinged), their server processes dying
     # together, as in a restart between two requests.
-    first, second = engine.raw_connection(), engine.raw_connection()
-    pids = [raw.driver_connection.info.backend_pid for raw in (first, second)]  # type: ignore[union-attr]
-    first.close()
-    second.close()
-    killer = make_engine(fresh_db_url, poolclass=pool.NullPool)
-    with killer.connect() as conn:
-        conn.execute(
-            text("SELECT pg_terminate_backend(pid) FROM unnest(:pids) AS pid"), {"pids": pids}
+    conns = [connector.checkout(pool) for _ in range(pool.min_size)]
+    pids = [conn.info.backend_pid for conn in conns]
+    for conn in conns:
+        connector.checkin(pool, conn)
+    with connector.connect(fresh_db_url, application_name="fairq-tests") as killer:
+        killer.execute(
+            "SELECT pg_terminate_backend(pid) FROM unnest(%(pids)s::int[]) AS pid", {"pids": pids}
         )
-    killer.dispose()
 
     client = own_app.test_client()
     url = f"/companies/{company.id}/tasks"
     lost = client.post(url, json={"type": "noop"}, headers=company.headers)
     # Two requests at once (one held here): the second takes the pool's next connection.
-    held = database.engine_of(own_app).raw_connection()
+    held = connector.checkout(pool)
     try:
         concurrent = client.post(url, json={"type": "noop"}, headers=company.headers)
     finally:
-        held.close()
+        connector.checkin(pool, held)
 
     assert (lost.status_code, lost.headers["Retry-After"]) == (503, "1")
-    # The pool dropped its other dead connection with the first: no second 503.
+    # The pool dropped its other dead connections with the first: no second 503.
     assert concurrent.status_code == 201, concurrent.json
 
 
 def test_a_request_holds_one_pooled_connection_at_a_time(own_app: Flask) -> None:
     company = _own_company(own_app)
-    engine = database.engine_of(own_app)
-    queue_pool = engine.pool
-    assert isinstance(queue_pool, pool.QueuePool)
-    held: list[int] = []  # connections checked out, at each checkout
-    event.listen(engine, "checkout", lambda *_: held.append(queue_pool.checkedout()))
+    counted = Counted(database.source_of(own_app))
+    database.install(own_app, counted)
+    held = counted.held  # connections checked out, at each checkout
     client = own_app.test_client()
     url = f"/companies/{company.id}"
     requests_ = [
@@ -288,16 +323,17 @@ def test_a_request_holds_one_pooled_connection_at_a_time(own_app: Flask) -> None
 def test_a_busy_connection_is_not_pinged(
     fresh_db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = make_engine(fresh_db_url, ping_after_idle=60.0)
+    pool = connector.make_pool(fresh_db_url, application_name="fairq-tests", min_size=1, max_size=1)
     pings: list[object] = []
-    monkeypatch.setattr(engine.dialect, "do_ping", pings.append)
+    monkeypatch.setattr(ConnectionPool, "check_connection", staticmethod(pings.append))
     try:
         for _ in range(3):
-            with engine.connect() as conn:
-                conn.execute(text("SELECT 1"))
+            conn = connector.checkout(pool, ping_after_idle=60.0)
+            conn.execute("SELECT 1")
+            connector.checkin(pool, conn)
         assert pings == []
     finally:
-        engine.dispose()
+        pool.close()
 
 
 def test_a_known_key_is_looked_up_once_within_the_cache_window(
@@ -378,14 +414,17 @@ def test_a_task_record_carries_the_stored_values(
     db_session: Session, company: CompanyWithKey
 ) -> None:
     record, created = queue.create_task(
-        db_session, company_id=company.id, type="noop", payload={"n": 1}, idempotency_key="k",
+        driver_connection(db_session, transaction=False),
+        company_id=company.id, type="noop", payload={"n": 1}, idempotency_key="k",
         request_hash="h", notify_channel=NOTIFY_CHANNEL,
     )  # fmt: skip
     stored = db_session.get(Task, record.id)
 
     assert created
     assert stored is not None
-    assert record == queue.get_task(db_session, company.id, record.id)
+    assert record == queue.get_task(
+        driver_connection(db_session, transaction=False), company.id, record.id
+    )
     assert {name: getattr(stored, name) for name in queue.TaskRecord._fields} == record._asdict()
 
 
@@ -393,9 +432,7 @@ def test_the_pool_keeps_one_connection_per_gunicorn_thread(main_db_url: str) -> 
     settings = ApiSettings.from_env({"DATABASE_URL": main_db_url, "GUNICORN_THREADS": "8"})
     app = make_test_app(main_db_url, database_pool_size=settings.database_pool_size)
     try:
-        engine_pool = database.engine_of(app).pool
-        assert isinstance(engine_pool, pool.QueuePool)
-        assert (engine_pool.size(), engine_pool._max_overflow) == (8, 8)
+        pool = pool_of(app)
+        assert (pool.min_size, pool.max_size) == (8, 16)
     finally:
-        database.engine_of(app).dispose()
-        database.probe_engine_of(app).dispose()
+        database.close(app)

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
-from sqlalchemy import text
+from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from api import auth, database
@@ -336,7 +336,7 @@ def two_apps(fresh_db_url: str) -> Iterator[tuple[Flask, Flask]]:
     first, second = make_test_app(fresh_db_url), make_test_app(fresh_db_url)
     yield first, second
     for app in (first, second):
-        database.engine_of(app).dispose()
+        database.close(app)
 
 
 class Clock:
@@ -350,10 +350,10 @@ class Clock:
 
 
 def test_an_expired_key_gets_401_at_its_expiry_on_every_process_even_while_remembered(
-    two_apps: tuple[Flask, Flask],
+    two_apps: tuple[Flask, Flask], fresh_engine: Engine
 ) -> None:
     first, second = two_apps
-    company = insert_company(database.engine_of(first))
+    company = insert_company(fresh_engine)
     client = first.test_client()
     short = issue(client, company, expires_in_seconds=1)
     for app in two_apps:
@@ -368,12 +368,15 @@ def test_an_expired_key_gets_401_at_its_expiry_on_every_process_even_while_remem
 
 
 def test_a_key_revoked_by_one_process_is_refused_by_another_within_the_cache_bound(
-    two_apps: tuple[Flask, Flask], fresh_db_url: str, monkeypatch: pytest.MonkeyPatch
+    two_apps: tuple[Flask, Flask],
+    fresh_db_url: str,
+    fresh_engine: Engine,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The bound is `KEY_CACHE_SECONDS`: the other process refuses the key once that long has
     passed since it looked it up, and a process that had not seen it refuses it at once."""
     revoker, other = two_apps
-    with Session(database.engine_of(revoker)) as session:
+    with Session(fresh_engine) as session:
         company = insert_company(session)
         spare = auth.new_api_key()
         add_key(session, company.id, spare)
@@ -399,7 +402,7 @@ def test_a_key_revoked_by_one_process_is_refused_by_another_within_the_cache_bou
         assert can_read(third.test_client(), company.id, company.api_key) == 401
         assert can_read(third.test_client(), company.id, spare) == 200
     finally:
-        database.engine_of(third).dispose()
+        database.close(third)
 
 
 def test_the_company_and_its_first_key_are_created_together(client: FlaskClient) -> None:

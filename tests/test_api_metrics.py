@@ -27,7 +27,7 @@ def fresh_app(fresh_db_url: str) -> Iterator[Flask]:
     """An app of its own on the fresh database: its metrics start from zero."""
     app = make_test_app(fresh_db_url)
     yield app
-    database.engine_of(app).dispose()
+    database.close(app)
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -149,6 +149,6 @@ def test_a_scrape_under_gunicorn_passes_over_the_empty_file_of_a_worker_creating
     try:
         samples = scrape(app.test_client())
     finally:
-        database.engine_of(app).dispose()
+        database.close(app)
 
     assert value(samples, "tasks_claimed_total") == 7.0

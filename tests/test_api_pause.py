@@ -18,7 +18,8 @@ from flask.testing import FlaskClient
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from api import auth, database
+from api import auth
+from db.engine import make_engine
 from tests import pg
 from tests.conftest import ADMIN_TOKEN, make_test_app, serve_app
 from tests.factories import CompanyWithKey, CreatedTask, MakeCompany, insert_company, json_of
@@ -31,7 +32,7 @@ ACTIONS = ("pause", "resume")
 def remember(app: Flask) -> Callable[..., None]:
     """`remember(*companies)`: their keys authenticate from the key cache, with no lookup.
 
-    The pause and the resume commit in a session of their own (`database.session_factory`).
+    The pause and the resume commit in a transaction of their own (`database.transaction`).
     In these tests every session joins the test's transaction through a savepoint, and the
     request's session, opened by a key lookup and never committed, is rolled back at the
     request's end, taking the later savepoint of the pause with it. (Outside tests the
@@ -179,7 +180,7 @@ def test_a_company_id_that_is_not_a_uuid_is_a_json_404(
 def test_a_company_pauses_itself_when_no_admin_token_is_configured(main_db_url: str) -> None:
     """The company's own key needs no admin token: no 503 as on the admin-only routes."""
     app = make_test_app(main_db_url, admin_token=None)
-    engine = database.engine_of(app)
+    engine = make_engine(main_db_url, application_name="fairq-tests")
     company = insert_company(engine)
     try:
         client = app.test_client()

@@ -11,6 +11,7 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import Engine
 
 from api import database, throttle
 from api.settings import DEFAULT_AUTH_FAILURE_LIMIT
@@ -51,12 +52,12 @@ def app(fresh_db_url: str, clock: Clock) -> Iterator[Flask]:
     """An app with the production throttle (`make_test_app` turns it off), on a hand clock."""
     app = throttled_app(fresh_db_url, clock)
     yield app
-    database.engine_of(app).dispose()
+    database.close(app)
 
 
 @pytest.fixture
-def company(app: Flask) -> CompanyWithKey:
-    return insert_company(database.engine_of(app))
+def company(app: Flask, fresh_engine: Engine) -> CompanyWithKey:
+    return insert_company(fresh_engine)
 
 
 def client_from(app: Flask, address: str) -> FlaskClient:
@@ -160,7 +161,7 @@ def test_behind_a_proxy_the_forwarded_address_is_counted(fresh_db_url: str, cloc
         operator = {**ADMIN, "X-Forwarded-For": OPERATOR}
         assert proxy.get("/stats", headers=operator).status_code == 200
     finally:
-        database.engine_of(app).dispose()
+        database.close(app)
 
 
 # -- the dashboard's login ----------------------------------------------------------------------

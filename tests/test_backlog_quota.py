@@ -26,6 +26,7 @@ from werkzeug.test import TestResponse
 
 from api import errors
 from db import queue
+from db.engine import driver_connection
 from tests import pg
 from tests.conftest import ADMIN_TOKEN, serve_app
 from tests.factories import CompanyWithKey, MakeTask, count_tasks, insert_company, json_of
@@ -112,12 +113,16 @@ def test_a_completed_task_makes_room_and_a_processing_one_does_not(
 ) -> None:
     set_max_pending(client, company, 2)
     assert create_batch(client, company, 2).status_code == 201
-    claimed = queue.claim(db_session, worker_id="test:1", batch_size=1)
+    claimed = queue.claim(
+        driver_connection(db_session, transaction=False), worker_id="test:1", batch_size=1
+    )
     assert len(claimed) == 1
 
     # Processing still counts: the claim moved nothing out of the backlog.
     assert_quota_refusal(create(client, company), unfinished=2, quota=2, adding=1)
-    assert queue.complete_tasks(db_session, [claimed[0].lease]) == {claimed[0].id}
+    assert queue.complete_tasks(
+        driver_connection(db_session, transaction=False), [claimed[0].lease]
+    ) == {claimed[0].id}
     assert create(client, company).status_code == 201
     assert backlog(db_session, company.id) == 2
 
@@ -599,7 +604,11 @@ def test_a_create_plans_no_statement_once_its_plans_are_cached(
 
     def create(n: int) -> None:
         queue.create_task(
-            conn, company_id=companies[n % 4], type="noop", payload={}, notify_channel="fq"
+            driver_connection(conn, transaction=False),
+            company_id=companies[n % 4],
+            type="noop",
+            payload={},
+            notify_channel="fq",
         )
 
     for n in range(12):

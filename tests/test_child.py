@@ -12,7 +12,7 @@ from sqlalchemy import Engine, pool, text
 from sqlalchemy.orm import Session
 
 from db import maintenance
-from db.engine import make_engine
+from db.engine import driver_connection, make_engine
 from devtools.embedded_postgres import EmbeddedPostgres, free_port
 from tests import pg
 from tests import supervisor_harness as harness
@@ -172,7 +172,9 @@ def test_retention_deletes_only_terminal_tasks_past_the_window(
         make_task(company.id, status="processing", locked_at=old, created_at=old),
     ]
 
-    deleted = maintenance.delete_expired_tasks(db_session, retention_seconds=7 * 86400)
+    deleted = maintenance.delete_expired_tasks(
+        driver_connection(db_session, transaction=False), retention_seconds=7 * 86400
+    )
 
     assert deleted == len(expired)
     remaining = set(db_session.scalars(text("SELECT id FROM tasks WHERE company_id = :c"),
@@ -186,7 +188,12 @@ def test_retention_deletes_in_batches(
     company = make_company()
     for _ in range(5):
         make_task(company.id, status="completed", finished_at=text("now() - interval '30 days'"))
-    assert maintenance.delete_expired_tasks(db_session, retention_seconds=86400, limit=2) == 2
+    assert (
+        maintenance.delete_expired_tasks(
+            driver_connection(db_session, transaction=False), retention_seconds=86400, limit=2
+        )
+        == 2
+    )
 
 
 def test_retention_skips_while_another_runner_holds_the_lock(
@@ -198,7 +205,12 @@ def test_retention_skips_while_another_runner_holds_the_lock(
         other.execute(
             text("SELECT pg_advisory_xact_lock(:k)"), {"k": maintenance.RETENTION_LOCK_KEY}
         )
-        assert maintenance.delete_expired_tasks(db_session, retention_seconds=86400) is None
+        assert (
+            maintenance.delete_expired_tasks(
+                driver_connection(db_session, transaction=False), retention_seconds=86400
+            )
+            is None
+        )
 
 
 @pytest.mark.slow

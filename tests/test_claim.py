@@ -41,7 +41,7 @@ STALE = 300.0
 def claim(session: Session, **overrides: Any) -> list[queue.ClaimedTask]:
     """Claim with test defaults (worker "test:1", batch 100), then commit."""
     params: dict[str, Any] = {"worker_id": "test:1", "batch_size": 100, **overrides}
-    batch = queue.claim(session, **params)
+    batch = queue.claim(driver_connection(session, transaction=False), **params)
     session.commit()
     return batch
 
@@ -232,7 +232,14 @@ def test_claim_leaves_the_callers_planner_settings_as_they_were(
             text("SELECT set_config(:name, :value, true)"), {"name": name, "value": value}
         )
 
-    assert len(queue.claim(db_session, worker_id="t", batch_size=1)) == 1
+    assert (
+        len(
+            queue.claim(
+                driver_connection(db_session, transaction=False), worker_id="t", batch_size=1
+            )
+        )
+        == 1
+    )
 
     after = {
         name: db_session.execute(text("SELECT current_setting(:name)"), {"name": name}).scalar_one()
@@ -302,7 +309,9 @@ def test_a_claim_given_commit_ends_its_transaction_before_it_hands_out_the_batch
             insert_tasks(setup, company.id, 2 if n == 1 else 60)
     with sessions() as claimer, fresh_engine.connect() as other:
         # The reference: the same claim, rolled back.
-        reference = queue.claim(claimer, worker_id="test:1", batch_size=100)
+        reference = queue.claim(
+            driver_connection(claimer, transaction=False), worker_id="test:1", batch_size=100
+        )
         claimer.rollback()
         commits: list[int] = []
 
@@ -310,7 +319,12 @@ def test_a_claim_given_commit_ends_its_transaction_before_it_hands_out_the_batch
             claimer.commit()
             commits.append(len(commits))
 
-        batch = queue.claim(claimer, worker_id="test:1", batch_size=100, commit=commit)
+        batch = queue.claim(
+            driver_connection(claimer, transaction=False),
+            worker_id="test:1",
+            batch_size=100,
+            commit=commit,
+        )
 
         assert commits == [0]
         assert other.execute(
@@ -640,7 +654,9 @@ def test_a_claim_runs_to_the_end_while_another_claim_is_in_flight(fresh_engine: 
     sessions = make_sessionmaker(fresh_engine)
     _thirty_companies_in_the_ring(sessions)
     with sessions() as first, sessions() as second:
-        in_flight = queue.claim(first, worker_id="first:1", batch_size=100)
+        in_flight = queue.claim(
+            driver_connection(first, transaction=False), worker_id="first:1", batch_size=100
+        )
         second.execute(text("SET LOCAL lock_timeout = '2s'"))
         batches = [in_flight, claim(second, worker_id="second:1")]
         first.commit()
@@ -731,10 +747,12 @@ def _interfere(kind: str, session: Session, task: uuid.UUID, company: uuid.UUID)
     if kind == "another claimer":
         # Another claim, the real one, also while the gated claimer runs the naive one: its
         # stretch of the ring is the company again, whose W the gated claim holds.
-        taken = queue.claim(session, worker_id="other:1", batch_size=1)
+        taken = queue.claim(
+            driver_connection(session, transaction=False), worker_id="other:1", batch_size=1
+        )
         assert [t.id for t in taken] == [task]
     else:
-        queue.cancel_task(session, company, task)
+        queue.cancel_task(driver_connection(session, transaction=False), company, task)
     session.commit()
 
 

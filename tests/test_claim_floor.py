@@ -26,7 +26,12 @@ Floor = tuple[dt.datetime | None, uuid.UUID | None]
 
 def claim(session: Session, batch_size: int) -> list[queue.ClaimedTask]:
     """One committed claim, as a worker makes it."""
-    return queue.claim(session, worker_id="floor:1", batch_size=batch_size, commit=session.commit)
+    return queue.claim(
+        driver_connection(session, transaction=False),
+        worker_id="floor:1",
+        batch_size=batch_size,
+        commit=session.commit,
+    )
 
 
 def floor_of(session: Session, company: uuid.UUID) -> Floor:
@@ -81,7 +86,9 @@ def test_a_drained_company_has_its_floor_at_the_end_and_a_new_task_lowers_it(
 
 
 def _release(session: Session, lease: queue.Lease) -> None:
-    assert queue.release_tasks(session, [lease]) == {lease.task_id}
+    assert queue.release_tasks(driver_connection(session, transaction=False), [lease]) == {
+        lease.task_id
+    }
 
 
 def _expire(session: Session, lease: queue.Lease) -> None:
@@ -157,7 +164,16 @@ def test_while_a_snapshot_is_held_a_claim_reads_the_pending_index_from_the_floor
 
         def entries_read_by_a_claim() -> int:
             before = _index_entries_read(session)
-            assert len(queue.claim(session, worker_id="floor:1", batch_size=100)) == 100
+            assert (
+                len(
+                    queue.claim(
+                        driver_connection(session, transaction=False),
+                        worker_id="floor:1",
+                        batch_size=100,
+                    )
+                )
+                == 100
+            )
             read = _index_entries_read(session) - before
             session.rollback()
             return read
@@ -192,13 +208,15 @@ def test_a_completion_finds_its_leases_by_id_not_through_a_processing_index(
     filtered it by id: a scan that grew with every task finished while a snapshot was held."""
     company = insert_company(fresh_engine).id
     insert_tasks(fresh_engine, company, 300)
-    queue.complete_tasks(session, [t.lease for t in claim(session, 100)])
+    queue.complete_tasks(
+        driver_connection(session, transaction=False), [t.lease for t in claim(session, 100)]
+    )
     session.commit()
     leases = [t.lease for t in claim(session, 100)]
     session.execute(text("ANALYZE tasks"))
     session.commit()
     before = _processing_entries_read(session)
-    assert len(queue.complete_tasks(session, leases)) == 100
-    assert queue.release_tasks(session, leases) == set()
+    assert len(queue.complete_tasks(driver_connection(session, transaction=False), leases)) == 100
+    assert queue.release_tasks(driver_connection(session, transaction=False), leases) == set()
     assert _processing_entries_read(session) == before
     session.commit()

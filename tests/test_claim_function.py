@@ -25,6 +25,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from db import companies, fair_share, queue
+from db.engine import driver_connection
 from db.fair_share import Contender
 from tests.factories import insert_company, insert_tasks
 
@@ -133,7 +134,12 @@ class Claimers:
 
 def claim(session: Session, batch_size: int, worker: str = "t") -> list[queue.ClaimedTask]:
     """One committed claim, as a worker makes it."""
-    return queue.claim(session, worker_id=worker, batch_size=batch_size, commit=session.commit)
+    return queue.claim(
+        driver_connection(session, transaction=False),
+        worker_id=worker,
+        batch_size=batch_size,
+        commit=session.commit,
+    )
 
 
 def promote_all(engine: Engine) -> None:
@@ -253,7 +259,9 @@ def test_eight_claimers_give_weighted_shares_within_five_percent_over_20000_task
     for weight in weights:
         company = insert_company(fresh_engine, name=f"w{weight}")
         with Session(fresh_engine) as session:
-            companies.update_company_limits(session, company.id, weight=weight)
+            companies.update_company_limits(
+                driver_connection(session, transaction=False), company.id, weight=weight
+            )
             session.commit()
         # More than its share: nobody runs out, so the shares are the weights'.
         insert_tasks(fresh_engine, company.id, total * weight // sum(weights) + 2 * batch)
@@ -280,7 +288,9 @@ def test_sixteen_claimers_never_exceed_max_in_flight(fresh_engine: Engine) -> No
     claimers, rounds, batch, limit = 16, 20, 4, 3
     limited = insert_company(fresh_engine, name="limited")
     with Session(fresh_engine) as session:
-        companies.update_company_limits(session, limited.id, max_in_flight=limit)
+        companies.update_company_limits(
+            driver_connection(session, transaction=False), limited.id, max_in_flight=limit
+        )
         session.commit()
     insert_tasks(fresh_engine, limited.id, 400)
     for i in range(5):
@@ -308,7 +318,9 @@ def test_sixteen_claimers_never_exceed_max_in_flight(fresh_engine: Engine) -> No
         for _ in range(rounds):
             tasks = claim(session, batch, f"w{index}")
             threading.Event().wait(rng.uniform(0, 0.01))
-            queue.complete_tasks(session, [task.lease for task in tasks])
+            queue.complete_tasks(
+                driver_connection(session, transaction=False), [task.lease for task in tasks]
+            )
             session.commit()
 
     sampler = threading.Thread(target=sample)
@@ -344,7 +356,7 @@ def test_once_a_pause_commits_sixteen_claimers_take_none_of_its_tasks(
         started.wait(timeout=30)
         threading.Event().wait(0.05)
         with Session(fresh_engine) as session:
-            companies.pause_company(session, paused.id)
+            companies.pause_company(driver_connection(session, transaction=False), paused.id)
             session.commit()
         at_pause.append(processing_by_company(fresh_engine)[paused.id])
 
@@ -375,7 +387,14 @@ def test_a_claim_in_autocommit_is_one_round_trip_and_leaves_no_lock_behind(
     with fresh_engine.connect() as connection:
         connection.execution_options(isolation_level="AUTOCOMMIT")
         with Session(bind=connection) as session:
-            assert len(queue.claim(session, worker_id="t", batch_size=2)) == 2
+            assert (
+                len(
+                    queue.claim(
+                        driver_connection(session, transaction=False), worker_id="t", batch_size=2
+                    )
+                )
+                == 2
+            )
             pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
             with fresh_engine.connect() as other:
                 locks = other.execute(
@@ -410,7 +429,7 @@ def test_a_claim_cancelled_in_its_reservation_leaves_no_lock_behind(
             holder.exec_driver_sql("LOCK TABLE company_queues IN ACCESS EXCLUSIVE MODE")
         claimer.exec_driver_sql("SET statement_timeout = '300ms'")
         with pytest.raises(Exception, match="statement timeout"), Session(bind=claimer) as s:
-            queue.claim(s, worker_id="t", batch_size=1)
+            queue.claim(driver_connection(s, transaction=False), worker_id="t", batch_size=1)
         claimer.rollback()
         if where == "waiting for it":
             holder.exec_driver_sql(f"SELECT pg_advisory_unlock({RESERVATION_LOCK})")
@@ -422,7 +441,14 @@ def test_a_claim_cancelled_in_its_reservation_leaves_no_lock_behind(
         holder.commit()
         claimer.exec_driver_sql("SET statement_timeout = 0")
         with Session(bind=claimer) as s:
-            assert len(queue.claim(s, worker_id="t", batch_size=1)) == 1
+            assert (
+                len(
+                    queue.claim(
+                        driver_connection(s, transaction=False), worker_id="t", batch_size=1
+                    )
+                )
+                == 1
+            )
         claimer.commit()  # the transaction the session joined: its shared lock goes with it
         held = claimer.exec_driver_sql(
             "SELECT objid, mode, granted FROM pg_locks "
@@ -469,4 +495,4 @@ def test_a_claim_outside_read_committed_is_refused(fresh_engine: Engine) -> None
             pytest.raises(Exception, match="runs under READ COMMITTED"),
             Session(bind=connection) as session,
         ):
-            queue.claim(session, worker_id="t", batch_size=1)
+            queue.claim(driver_connection(session, transaction=False), worker_id="t", batch_size=1)

@@ -32,6 +32,7 @@ from werkzeug.test import TestResponse
 from api import auth, database
 from api.dashboard import SESSION_COOKIE_NAME, views
 from db import dashboard
+from db.engine import driver_connection
 from tests.conftest import ADMIN_TOKEN, make_test_app
 from tests.factories import (
     CompanyWithKey,
@@ -281,7 +282,7 @@ def test_rotating_the_admin_token_ends_every_session(
         assert response.status_code == 303
         assert response.headers["Location"].startswith(LOGIN)
     finally:
-        database.engine_of(rotated).dispose()
+        database.close(rotated)
 
 
 def test_the_logout_deletes_the_cookie_and_the_next_page_asks_for_the_login(
@@ -303,7 +304,7 @@ def test_without_an_admin_token_the_dashboard_answers_503(main_db_url: str) -> N
         assert response.status_code == 503
         assert "ADMIN_TOKEN is not configured" in page_text(response)
     finally:
-        database.engine_of(app).dispose()
+        database.close(app)
 
 
 @pytest.mark.parametrize(
@@ -902,7 +903,7 @@ def slow_app(fresh_db_url: str) -> Iterator[Flask]:
     """An app on a database of its own whose page queries may run 200 ms at most."""
     app = make_test_app(fresh_db_url, stats_timeout_ms=200)
     yield app
-    database.engine_of(app).dispose()
+    database.close(app)
 
 
 def test_a_page_whose_query_runs_past_the_timeout_is_a_503_with_retry_after(
@@ -941,7 +942,7 @@ def test_the_series_counts_completed_and_failed_tasks_per_minute(
             finished_at=text(f"date_trunc('minute', now()) - interval '{minutes_ago} minutes'"),
         )  # fmt: skip
 
-    series = dashboard.finished_per_minute(db_session.connection())
+    series = dashboard.finished_per_minute(driver_connection(db_session))
 
     assert series.window.complete
     assert len(series.minutes) == dashboard.RECENT_MINUTES
@@ -968,7 +969,7 @@ def test_the_series_read_past_its_limit_covers_only_the_minutes_read_in_full(
         {"id": company.id},
     )
 
-    series = dashboard.finished_per_minute(db_session.connection(), recent_limit=25)
+    series = dashboard.finished_per_minute(driver_connection(db_session), recent_limit=25)
 
     assert not series.window.complete
     # 10 a minute, newest first: 25 rows reach into the third minute, which is left out, and
@@ -984,7 +985,7 @@ def test_lease_holders_list_the_oldest_heartbeat_first_with_their_counts(
     claimed_task(company.id, locked_by="host-a:1", locked_at=text("now() - interval '30 s'"))
     claimed_task(company.id, locked_by="host-a:1", locked_at=text("now() - interval '2 s'"))
 
-    holders = dashboard.lease_holders(db_session.connection())
+    holders = dashboard.lease_holders(driver_connection(db_session))
 
     assert (holders.holders, holders.tasks) == (2, 3)
     assert [(h.locked_by, h.tasks, round(h.oldest_heartbeat_seconds)) for h in holders.listed] == [
@@ -1005,7 +1006,7 @@ def test_the_listing_counts_backlog_in_flight_and_failures_per_company(
     make_task(busy.id, status="failed", finished_at=text("now() - interval '2 hours'"))
 
     page = dashboard.list_companies(
-        db_session.connection(), sort=dashboard.CompanySort.BACKLOG, search=prefix
+        driver_connection(db_session), sort=dashboard.CompanySort.BACKLOG, search=prefix
     )
 
     assert page.total == 2
@@ -1029,7 +1030,7 @@ def test_every_sort_pages_through_every_company_once(
     seen = []
     for offset in range(0, 6, 2):
         page = dashboard.list_companies(
-            db_session.connection(), sort=sort, descending=descending, search=prefix,
+            driver_connection(db_session), sort=sort, descending=descending, search=prefix,
             limit=2, offset=offset,
         )  # fmt: skip
         seen += [row.id for row in page.rows]
@@ -1044,8 +1045,8 @@ def test_recent_failures_read_only_the_newest_tasks_of_the_company(
     insert_tasks(db_session, company.id, 3)
     new = make_task(company.id, status="failed", created_at=text("now() + interval '1 s'"))
 
-    found = dashboard.recent_failures(db_session.connection(), company.id, scan=4)
-    everything = dashboard.recent_failures(db_session.connection(), company.id, scan=10)
+    found = dashboard.recent_failures(driver_connection(db_session), company.id, scan=4)
+    everything = dashboard.recent_failures(driver_connection(db_session), company.id, scan=10)
 
     assert [task.id for task in found] == [new.id]
     assert [task.id for task in everything] == [new.id, old.id]
@@ -1190,7 +1191,7 @@ def test_every_page_answers_within_its_bounded_cost(
         large = {name: median_ms(client, path) for name, path in dashboard_pages(
             client, fresh_engine).items()}  # fmt: skip
     finally:
-        database.engine_of(app).dispose()
+        database.close(app)
 
     with capsys.disabled():
         print(f"\n\ndashboard pages, median of 5 (ms); 20,000 companies and 1M tasks seeded "

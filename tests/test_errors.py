@@ -45,7 +45,7 @@ def raising_app(main_db_url: str) -> Iterator[Flask]:
     yield app
     from api import database
 
-    database.engine_of(app).dispose()
+    database.close(app)
 
 
 @pytest.mark.parametrize(

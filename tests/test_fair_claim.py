@@ -44,14 +44,18 @@ from tests.factories import (
 
 def claim(session: Session, batch_size: int = 100, worker_id: str = "fair:1") -> list[uuid.UUID]:
     """Claim a batch and commit; return the ids of the claimed tasks in claim order."""
-    batch = queue.claim(session, worker_id=worker_id, batch_size=batch_size)
+    batch = queue.claim(
+        driver_connection(session, transaction=False), worker_id=worker_id, batch_size=batch_size
+    )
     session.commit()
     return [task.id for task in batch]
 
 
 def claim_tasks(session: Session, batch_size: int = 100) -> list[queue.ClaimedTask]:
     """Claim a batch and commit; return the claimed tasks."""
-    batch = queue.claim(session, worker_id="fair:1", batch_size=batch_size)
+    batch = queue.claim(
+        driver_connection(session, transaction=False), worker_id="fair:1", batch_size=batch_size
+    )
     session.commit()
     return batch
 
@@ -276,7 +280,9 @@ def test_a_turn_continued_from_the_previous_batch_is_handed_out_in_serving_order
 
 
 def _complete(session: Session, tasks: Sequence[queue.ClaimedTask]) -> None:
-    assert queue.complete_tasks(session, [t.lease for t in tasks]) == {t.id for t in tasks}
+    assert queue.complete_tasks(
+        driver_connection(session, transaction=False), [t.lease for t in tasks]
+    ) == {t.id for t in tasks}
     session.commit()
 
 
@@ -382,14 +388,18 @@ class _Claimers:
             with make_sessionmaker(engine)() as session:
                 while True:
                     batch = queue.claim(
-                        session, worker_id=f"claimer:{worker}", batch_size=self.batch_size
+                        driver_connection(session, transaction=False),
+                        worker_id=f"claimer:{worker}",
+                        batch_size=self.batch_size,
                     )
                     session.commit()
                     if batch:
                         with self.lock:
                             self.batches.append(batch)
                         time.sleep(pause())
-                        queue.complete_tasks(session, [t.lease for t in batch])
+                        queue.complete_tasks(
+                            driver_connection(session, transaction=False), [t.lease for t in batch]
+                        )
                         session.commit()
                         continue
                     if self.done.is_set() and not _pending(session):
@@ -562,7 +572,9 @@ def test_eight_claimers_with_weights_and_limits_claim_every_task_once_while_work
                             text("SELECT company_id FROM tasks WHERE id = :id"), {"id": task_id}
                         ).scalar_one()
                         try:
-                            queue.cancel_task(session, owner, task_id)
+                            queue.cancel_task(
+                                driver_connection(session, transaction=False), owner, task_id
+                            )
                         except errors.Conflict:
                             session.rollback()  # already claimed (or cancelled): fine
                             continue
@@ -609,7 +621,9 @@ def _ready_with_nothing_pending(sessions: sessionmaker[Session]) -> tuple[uuid.U
     with sessions() as setup:
         company = insert_company(setup, "k").id
         insert_task(setup, company)
-        [task] = queue.claim(setup, worker_id="first:1", batch_size=1)
+        [task] = queue.claim(
+            driver_connection(setup, transaction=False), worker_id="first:1", batch_size=1
+        )
         setup.commit()
         assert queue_state(setup, company).ready
     return company, task.lease
@@ -628,7 +642,12 @@ def test_a_task_inserted_while_a_claim_finds_its_company_out_of_work_is_claimed_
     sessions = make_sessionmaker(fresh_engine)
     company, _ = _ready_with_nothing_pending(sessions)
     with sessions() as claimer, sessions() as writer:
-        task, _ = queue.create_task(writer, company_id=company, type="noop", payload={})
+        task, _ = queue.create_task(
+            driver_connection(writer, transaction=False),
+            company_id=company,
+            type="noop",
+            payload={},
+        )
 
         assert claim(claimer) == []  # short for K: nothing K has is visible yet
         assert queue_state(claimer, company).ready  # not settled: its writer is still open
@@ -653,7 +672,12 @@ def test_settling_a_company_without_its_wake_up_lock_would_lose_a_task_being_ins
     sessions = make_sessionmaker(fresh_engine)
     company, _ = _ready_with_nothing_pending(sessions)
     with sessions() as claimer, sessions() as writer:
-        task, _ = queue.create_task(writer, company_id=company, type="noop", payload={})
+        task, _ = queue.create_task(
+            driver_connection(writer, transaction=False),
+            company_id=company,
+            type="noop",
+            payload={},
+        )
         settle = claim_plans.settle_statement(claimer)
         driver_connection(claimer).execute(settle, {"company_ids": [company]})
         claimer.commit()
@@ -668,17 +692,23 @@ def test_settling_a_company_without_its_wake_up_lock_would_lose_a_task_being_ins
 
 
 def _release(session: Session, lease: queue.Lease, company: uuid.UUID) -> None:
-    assert queue.release_tasks(session, [lease]) == {lease.task_id}
+    assert queue.release_tasks(driver_connection(session, transaction=False), [lease]) == {
+        lease.task_id
+    }
 
 
 def _retry(session: Session, lease: queue.Lease, company: uuid.UUID) -> None:
     assert queue.schedule_retry(
-        session, lease.task_id, lease.token, delay_seconds=0, error="HTTP 503"
+        driver_connection(session, transaction=False),
+        lease.task_id,
+        lease.token,
+        delay_seconds=0,
+        error="HTTP 503",
     )
 
 
 def _api_retry(session: Session, lease: queue.Lease, company: uuid.UUID) -> None:
-    queue.retry_task(session, company, lease.task_id)
+    queue.retry_task(driver_connection(session, transaction=False), company, lease.task_id)
 
 
 def _expire(session: Session, lease: queue.Lease, company: uuid.UUID) -> None:
@@ -698,7 +728,12 @@ def test_a_task_made_pending_in_an_open_transaction_is_claimed_after_it_commits(
     company, lease = _ready_with_nothing_pending(sessions)
     with sessions() as setup:
         if make_pending is _api_retry:
-            assert queue.fail_task(setup, lease.task_id, lease.token, error="boom")
+            assert queue.fail_task(
+                driver_connection(setup, transaction=False),
+                lease.task_id,
+                lease.token,
+                error="boom",
+            )
         if make_pending is _expire:
             setup.execute(
                 text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
@@ -735,13 +770,23 @@ def test_a_repeatable_read_writer_whose_snapshot_predates_a_settle_fails_and_ret
         assert not queue_state(claimer, company).ready  # settled: out of work
 
         with pytest.raises(OperationalError) as failed:
-            queue.create_task(writer, company_id=company, type="noop", payload={})
+            queue.create_task(
+                driver_connection(writer, transaction=False),
+                company_id=company,
+                type="noop",
+                payload={},
+            )
         assert isinstance(failed.value.orig, psycopg.errors.SerializationFailure)
         writer.rollback()
 
         # The retry, in a new transaction (and snapshot), is stored and claimed.
         writer.connection(execution_options={"isolation_level": "REPEATABLE READ"})
-        task, _ = queue.create_task(writer, company_id=company, type="noop", payload={})
+        task, _ = queue.create_task(
+            driver_connection(writer, transaction=False),
+            company_id=company,
+            type="noop",
+            payload={},
+        )
         writer.commit()
 
         assert claim(claimer) == [task.id]
@@ -893,7 +938,9 @@ BLOCKS_TOUCHED = text(
 def _claim_buffers(session: Session) -> int:
     """Buffers a claim of 100 touches (hits and reads over every table and index)."""
     before = session.execute(BLOCKS_TOUCHED).scalar_one()
-    batch = queue.claim(session, worker_id="cost:1", batch_size=100)
+    batch = queue.claim(
+        driver_connection(session, transaction=False), worker_id="cost:1", batch_size=100
+    )
     after = session.execute(BLOCKS_TOUCHED).scalar_one()
     session.commit()
     assert len(batch) == 100

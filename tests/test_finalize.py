@@ -37,7 +37,9 @@ def take_over(session: Session, task: Task) -> queue.ClaimedTask:
         {"id": task.id},
     )
     assert [e.id for e in take_back(session, stale_after=60)] == [task.id]
-    [claimed] = queue.claim(session, worker_id="new:2", batch_size=10)
+    [claimed] = queue.claim(
+        driver_connection(session, transaction=False), worker_id="new:2", batch_size=10
+    )
     session.commit()
     assert claimed.id == task.id
     return claimed
@@ -51,7 +53,9 @@ def test_complete_clears_the_lease_and_the_last_error(
 ) -> None:
     task = claimed_task(make_company().id, last_error="earlier failure")
 
-    assert queue.complete_tasks(db_session, [lease(task)]) == {task.id}
+    assert queue.complete_tasks(
+        driver_connection(db_session, transaction=False), [lease(task)]
+    ) == {task.id}
 
     stored = fetch(db_session, task.id)
     assert stored["status"] == "completed"
@@ -68,9 +72,11 @@ def test_complete_tasks_completes_only_the_leases_still_held(
     held, lost = claimed_task(company), claimed_task(company)
     stale_lease = queue.Lease(lost.id, uuid.uuid4())
 
-    assert queue.complete_tasks(db_session, [lease(held), stale_lease]) == {held.id}
+    assert queue.complete_tasks(
+        driver_connection(db_session, transaction=False), [lease(held), stale_lease]
+    ) == {held.id}
     assert fetch(db_session, lost.id)["status"] == "processing"
-    assert queue.complete_tasks(db_session, []) == set()
+    assert queue.complete_tasks(driver_connection(db_session, transaction=False), []) == set()
 
 
 def test_fail_records_the_error_clipped_and_without_nul(
@@ -78,7 +84,12 @@ def test_fail_records_the_error_clipped_and_without_nul(
 ) -> None:
     task = claimed_task(make_company().id)
 
-    assert queue.fail_task(db_session, task.id, lease(task).token, error="bad\x00" + "x" * 5000)
+    assert queue.fail_task(
+        driver_connection(db_session, transaction=False),
+        task.id,
+        lease(task).token,
+        error="bad\x00" + "x" * 5000,
+    )
 
     stored = fetch(db_session, task.id)
     assert stored["status"] == "failed"
@@ -95,7 +106,11 @@ def test_retry_puts_the_task_back_to_pending_after_the_delay(
     task = claimed_task(make_company().id, attempts=2)
 
     assert queue.schedule_retry(
-        db_session, task.id, lease(task).token, delay_seconds=90.5, error="TimeoutError"
+        driver_connection(db_session, transaction=False),
+        task.id,
+        lease(task).token,
+        delay_seconds=90.5,
+        error="TimeoutError",
     )
 
     stored = fetch(db_session, task.id)
@@ -116,10 +131,14 @@ def test_release_restores_attempts_and_keeps_run_after(
         make_task(company, run_after=text(f"now() - interval '{n} minutes'")) for n in (3, 2, 1)
     ]
     before = {t.id: fetch(db_session, t.id) for t in tasks}
-    claimed = queue.claim(db_session, worker_id="w:1", batch_size=10)
+    claimed = queue.claim(
+        driver_connection(db_session, transaction=False), worker_id="w:1", batch_size=10
+    )
     assert {t.attempts for t in claimed} == {1}
 
-    assert queue.release_tasks(db_session, [t.lease for t in claimed]) == {t.id for t in tasks}
+    assert queue.release_tasks(
+        driver_connection(db_session, transaction=False), [t.lease for t in claimed]
+    ) == {t.id for t in tasks}
 
     for task in tasks:
         stored = fetch(db_session, task.id)
@@ -127,7 +146,7 @@ def test_release_restores_attempts_and_keeps_run_after(
         assert stored["attempts"] == 0
         assert stored["run_after"] == before[task.id]["run_after"]
         assert stored["lease_token"] is stored["locked_by"] is stored["locked_at"] is None
-    assert queue.release_tasks(db_session, []) == set()
+    assert queue.release_tasks(driver_connection(db_session, transaction=False), []) == set()
 
 
 def test_a_late_worker_changes_nothing_after_its_lease_was_taken_over(
@@ -139,28 +158,48 @@ def test_a_late_worker_changes_nothing_after_its_lease_was_taken_over(
     new = take_over(db_session, task)
     after_takeover = fetch(db_session, task.id)
 
-    assert queue.complete_tasks(db_session, [old]) == set()
-    assert queue.fail_task(db_session, old.task_id, old.token, error="late") is False
+    assert queue.complete_tasks(driver_connection(db_session, transaction=False), [old]) == set()
     assert (
-        queue.schedule_retry(db_session, old.task_id, old.token, delay_seconds=1, error="late")
+        queue.fail_task(
+            driver_connection(db_session, transaction=False), old.task_id, old.token, error="late"
+        )
         is False
     )
-    assert queue.release_tasks(db_session, [old]) == set()
+    assert (
+        queue.schedule_retry(
+            driver_connection(db_session, transaction=False),
+            old.task_id,
+            old.token,
+            delay_seconds=1,
+            error="late",
+        )
+        is False
+    )
+    assert queue.release_tasks(driver_connection(db_session, transaction=False), [old]) == set()
 
     assert fetch(db_session, task.id) == after_takeover
     assert after_takeover["lease_token"] == new.lease_token
     assert after_takeover["locked_by"] == "new:2"
     assert after_takeover["attempts"] == 2
     # The new holder still finalizes normally.
-    assert queue.complete_tasks(db_session, [new.lease]) == {task.id}
+    assert queue.complete_tasks(driver_connection(db_session, transaction=False), [new.lease]) == {
+        task.id
+    }
 
 
 def test_finalizers_miss_on_tasks_that_are_no_longer_processing(
     db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
 ) -> None:
     task = claimed_task(make_company().id)
-    assert queue.complete_tasks(db_session, [lease(task)]) == {task.id}
-    assert queue.fail_task(db_session, task.id, lease(task).token, error="x") is False
+    assert queue.complete_tasks(
+        driver_connection(db_session, transaction=False), [lease(task)]
+    ) == {task.id}
+    assert (
+        queue.fail_task(
+            driver_connection(db_session, transaction=False), task.id, lease(task).token, error="x"
+        )
+        is False
+    )
     assert fetch(db_session, task.id)["status"] == "completed"
 
 
@@ -228,7 +267,11 @@ def test_a_task_whose_worker_dies_every_time_ends_failed_after_max_attempts(
     task = make_task(company, max_attempts=3)
     expire = text("UPDATE tasks SET locked_at = now() - interval '10 minutes' WHERE id = :id")
     for attempt in (1, 2, 3):
-        [claimed] = queue.claim(db_session, worker_id=f"doomed:{attempt}", batch_size=1)
+        [claimed] = queue.claim(
+            driver_connection(db_session, transaction=False),
+            worker_id=f"doomed:{attempt}",
+            batch_size=1,
+        )
         assert claimed.attempts == attempt
         db_session.execute(expire, {"id": task.id})  # the worker dies; its lease expires
         [expired] = take_back(db_session, stale_after=300)
@@ -245,7 +288,10 @@ def test_a_task_whose_worker_dies_every_time_ends_failed_after_max_attempts(
         "worker lost (lease expired) after 3 attempts (last holder doomed:3)"
     )
     assert stored["lease_token"] is stored["locked_by"] is stored["locked_at"] is None
-    assert queue.claim(db_session, worker_id="w", batch_size=1) == []
+    assert (
+        queue.claim(driver_connection(db_session, transaction=False), worker_id="w", batch_size=1)
+        == []
+    )
     assert take_back(db_session, stale_after=300) == []
 
 
@@ -289,7 +335,10 @@ def test_the_sweep_requeues_a_task_with_attempts_left_and_keeps_its_history(
     assert stored["finished_at"] is None
     assert stored["lease_token"] is stored["locked_by"] is stored["locked_at"] is None
     # The old holder's lease is fenced off.
-    assert queue.complete_tasks(db_session, [lease(task)]) == set()
+    assert (
+        queue.complete_tasks(driver_connection(db_session, transaction=False), [lease(task)])
+        == set()
+    )
 
 
 # -- backoff -----------------------------------------------------------------------------

@@ -269,7 +269,7 @@ def test_50_parallel_creates_with_the_same_key_store_exactly_one_task(
         with serving(app) as base_url, ThreadPoolExecutor(requests_count) as pool:
             results = list(pool.map(create, [base_url] * requests_count))
     finally:
-        database.engine_of(app).dispose()
+        database.close(app)
 
     statuses = sorted(status for status, _ in results)
     assert statuses == [200] * (requests_count - 1) + [201], statuses

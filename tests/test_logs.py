@@ -20,17 +20,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 from marshmallow import RAISE, Schema, fields
 from sqlalchemy import Engine, text
-from sqlalchemy.orm import Session, sessionmaker
 
 from api.settings import ApiSettings
 from common import logging as fairq_logging
 from common.environment import SettingsError
-from tests.conftest import ADMIN_TOKEN, make_test_app
+from tests import pg
+from tests.conftest import ADMIN_TOKEN, JoinedSource, make_test_app
 from tests.factories import CompanyWithKey, MakeCompany, insert_tasks, json_of
 from worker import processing, tasktypes
 from worker.errors import PermanentTaskError
@@ -55,7 +56,7 @@ def json_app(main_db_url: str) -> Iterator[Flask]:
     yield app
     from api import database
 
-    database.engine_of(app).dispose()
+    database.close(app)
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
     for handler in handlers:
@@ -64,16 +65,15 @@ def json_app(main_db_url: str) -> Iterator[Flask]:
 
 
 @pytest.fixture
-def client(json_app: Flask, session_factory: sessionmaker[Session]) -> Iterator[FlaskClient]:
-    """Test client of the JSON app, its sessions joined to the test's outer transaction."""
+def client(json_app: Flask, db_conn: psycopg.Connection[Any]) -> Iterator[FlaskClient]:
+    """Test client of the JSON app, its requests joined to the test's outer transaction."""
     from api import database
 
-    engine_, original = json_app.extensions[database._EXT]
-    json_app.extensions[database._EXT] = (engine_, session_factory)
+    before = database.install(json_app, JoinedSource(db_conn))
     # The JSON handler must be the one on `fairq`, whatever app was built since.
     fairq_logging.configure("INFO", "json", logger="fairq")
     yield json_app.test_client()
-    json_app.extensions[database._EXT] = (engine_, original)
+    database.install(json_app, before)
 
 
 def json_lines(err: str) -> list[dict[str, Any]]:
@@ -369,10 +369,8 @@ def test_released_tasks_log_one_line_each(
     ids = insert_tasks(fresh_engine, fresh_company_id, 4, task_type="noop")
     checks = iter([False, False])  # before the claim and before the first task; then stop
 
-    with caplog.at_level(logging.INFO, logger="fairq"):
-        result = processing.run_pass(
-            fresh_engine, worker_id="logs:1", stop=lambda: next(checks, True)
-        )
+    with caplog.at_level(logging.INFO, logger="fairq"), pg.worker_pool(fresh_engine) as pool:
+        result = processing.run_pass(pool, worker_id="logs:1", stop=lambda: next(checks, True))
 
     assert (result.completed, result.released) == (1, 3)
     [completed] = task_records(caplog, "task.completed")
@@ -407,8 +405,8 @@ def test_a_lost_lease_logs_one_line_with_the_action_that_changed_nothing(
         fresh_engine, fresh_company_id, 1, task_type="overtaken", payload=PAYLOAD
     )
 
-    with caplog.at_level(logging.INFO, logger="fairq"):
-        result = processing.run_pass(fresh_engine, worker_id="logs:1")
+    with caplog.at_level(logging.INFO, logger="fairq"), pg.worker_pool(fresh_engine) as pool:
+        result = processing.run_pass(pool, worker_id="logs:1")
 
     assert result.lease_lost == 1
     [record] = task_records(caplog, "task.lease_lost")
@@ -433,8 +431,8 @@ def test_a_poison_pill_logs_one_failed_line(
             {"id": task_id},
         )
 
-    with caplog.at_level(logging.INFO, logger="fairq"):
-        result = processing.run_pass(fresh_engine, worker_id="logs:1")
+    with caplog.at_level(logging.INFO, logger="fairq"), pg.worker_pool(fresh_engine) as pool:
+        result = processing.run_pass(pool, worker_id="logs:1")
 
     assert result.failed == 1
     [record] = task_records(caplog, "task.failed")
@@ -575,7 +573,8 @@ def test_a_slow_batch_does_not_hold_finished_tasks_lines_until_it_ends(
     level = logger.level
     logger.setLevel(logging.INFO)
     try:
-        result = processing.run_pass(fresh_engine, worker_id="logs:1")
+        with pg.worker_pool(fresh_engine) as pool:
+            result = processing.run_pass(pool, worker_id="logs:1")
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

@@ -22,13 +22,15 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
+import psycopg
 import pytest
 from sqlalchemy import Engine, pool, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from db import companies, errors, queue
-from db.engine import make_engine, make_sessionmaker
+from db.engine import driver_connection, make_engine, make_sessionmaker
 from tests.factories import (
     MakeCompany,
     insert_companies_with_tasks,
@@ -42,7 +44,9 @@ from tests.supervisor_harness import wait_for
 
 def claim(session: Session, batch_size: int = 100) -> list[queue.ClaimedTask]:
     """Claim a batch as a worker does, and commit."""
-    batch = queue.claim(session, worker_id="pause:1", batch_size=batch_size)
+    batch = queue.claim(
+        driver_connection(session, transaction=False), worker_id="pause:1", batch_size=batch_size
+    )
     session.commit()
     return batch
 
@@ -54,13 +58,13 @@ def of(batch: Sequence[queue.ClaimedTask], company_id: uuid.UUID) -> list[uuid.U
 
 def pause(session: Session, company_id: uuid.UUID) -> None:
     """Pause the company and commit, as the API does."""
-    companies.pause_company(session, company_id)
+    companies.pause_company(driver_connection(session, transaction=False), company_id)
     session.commit()
 
 
 def resume(session: Session, company_id: uuid.UUID) -> None:
     """Resume the company and commit, as the API does."""
-    companies.resume_company(session, company_id)
+    companies.resume_company(driver_connection(session, transaction=False), company_id)
     session.commit()
 
 
@@ -166,7 +170,9 @@ def test_tasks_created_while_paused_are_kept_and_claimed_after_resume_oldest_fir
 
     # The insert trigger of every create; a second older than the API's create below.
     created = insert_tasks(db_session, paused, 3, newest_age_seconds=1)
-    by_api, _ = queue.create_task(db_session, company_id=paused, type="noop", payload={})
+    by_api, _ = queue.create_task(
+        driver_connection(db_session, transaction=False), company_id=paused, type="noop", payload={}
+    )
     db_session.commit()
     theirs = insert_tasks(db_session, other, 2)
 
@@ -258,8 +264,15 @@ def test_tasks_running_when_their_company_is_paused_finish_as_usual(
 
     pause(db_session, company)
 
-    assert queue.complete_tasks(db_session, [done.lease]) == {done.id}
-    assert queue.fail_task(db_session, broken.id, broken.lease_token, error="permanent")
+    assert queue.complete_tasks(driver_connection(db_session, transaction=False), [done.lease]) == {
+        done.id
+    }
+    assert queue.fail_task(
+        driver_connection(db_session, transaction=False),
+        broken.id,
+        broken.lease_token,
+        error="permanent",
+    )
     db_session.commit()
     statuses: dict[uuid.UUID, str] = dict(
         db_session.execute(
@@ -272,12 +285,18 @@ def test_tasks_running_when_their_company_is_paused_finish_as_usual(
 def _retry_with_backoff(session: Session, task: queue.ClaimedTask) -> None:
     # A short backoff, waited out below: what holds the task back is the pause.
     assert queue.schedule_retry(
-        session, task.id, task.lease_token, delay_seconds=0.05, error="HTTP 503"
+        driver_connection(session, transaction=False),
+        task.id,
+        task.lease_token,
+        delay_seconds=0.05,
+        error="HTTP 503",
     )
 
 
 def _release(session: Session, task: queue.ClaimedTask) -> None:
-    assert queue.release_tasks(session, [task.lease]) == {task.id}
+    assert queue.release_tasks(driver_connection(session, transaction=False), [task.lease]) == {
+        task.id
+    }
 
 
 def _lose_lease(session: Session, task: queue.ClaimedTask) -> None:
@@ -289,8 +308,10 @@ def _lose_lease(session: Session, task: queue.ClaimedTask) -> None:
 
 
 def _retry_by_api(session: Session, task: queue.ClaimedTask) -> None:
-    assert queue.fail_task(session, task.id, task.lease_token, error="boom")
-    queue.retry_task(session, task.company_id, task.id)
+    assert queue.fail_task(
+        driver_connection(session, transaction=False), task.id, task.lease_token, error="boom"
+    )
+    queue.retry_task(driver_connection(session, transaction=False), task.company_id, task.id)
 
 
 @pytest.mark.parametrize(
@@ -336,12 +357,22 @@ def test_pause_and_resume_are_idempotent_and_copy_the_flag_to_the_claims_view(
     insert_tasks(db_session, company, 1)
 
     for _ in range(2):
-        assert companies.pause_company(db_session, company).paused is True
+        assert (
+            companies.pause_company(
+                driver_connection(db_session, transaction=False), company
+            ).paused
+            is True
+        )
         db_session.commit()
         row = queue_row(db_session, company)
         assert (row.paused, row.ready) == (True, False)
     for _ in range(2):
-        assert companies.resume_company(db_session, company).paused is False
+        assert (
+            companies.resume_company(
+                driver_connection(db_session, transaction=False), company
+            ).paused
+            is False
+        )
         db_session.commit()
         assert queue_row(db_session, company).paused is False
     assert len(claim(db_session)) == 1
@@ -349,9 +380,9 @@ def test_pause_and_resume_are_idempotent_and_copy_the_flag_to_the_claims_view(
 
 def test_pausing_or_resuming_an_unknown_company_raises_not_found(db_session: Session) -> None:
     with pytest.raises(errors.NotFound):
-        companies.pause_company(db_session, uuid.uuid4())
+        companies.pause_company(driver_connection(db_session, transaction=False), uuid.uuid4())
     with pytest.raises(errors.NotFound):
-        companies.resume_company(db_session, uuid.uuid4())
+        companies.resume_company(driver_connection(db_session, transaction=False), uuid.uuid4())
 
 
 def test_a_pause_in_autocommit_is_refused_before_it_writes(fresh_engine: Engine) -> None:
@@ -359,7 +390,7 @@ def test_a_pause_in_autocommit_is_refused_before_it_writes(fresh_engine: Engine)
     company = insert_company(fresh_engine).id
     autocommit = fresh_engine.execution_options(isolation_level="AUTOCOMMIT")
     with Session(autocommit) as session, pytest.raises(RuntimeError, match="transaction"):
-        companies.pause_company(session, company)
+        companies.pause_company(driver_connection(session, transaction=False), company)
     with make_sessionmaker(fresh_engine)() as session:
         assert queue_row(session, company).paused is False
 
@@ -373,7 +404,10 @@ class Pausing(threading.Thread):
     """`how(session, company_id)` then commit, in a thread, on a connection named `PAUSER`."""
 
     def __init__(
-        self, url: str, company_id: uuid.UUID, how: Callable[[Session, uuid.UUID], object]
+        self,
+        url: str,
+        company_id: uuid.UUID,
+        how: Callable[[psycopg.Connection[Any], uuid.UUID], object],
     ) -> None:
         super().__init__(daemon=True)
         self.url, self.company_id, self.how = url, company_id, how
@@ -383,7 +417,7 @@ class Pausing(threading.Thread):
         engine = make_engine(self.url, application_name=PAUSER, poolclass=pool.NullPool)
         try:
             with make_sessionmaker(engine)() as session:
-                self.how(session, self.company_id)
+                self.how(driver_connection(session), self.company_id)
                 session.commit()
         except BaseException as exc:  # reported by the test
             self.error = exc
@@ -397,7 +431,7 @@ class Pausing(threading.Thread):
 
 
 def start_pause(
-    url: str, company_id: uuid.UUID, how: Callable[[Session, uuid.UUID], object]
+    url: str, company_id: uuid.UUID, how: Callable[[psycopg.Connection[Any], uuid.UUID], object]
 ) -> Pausing:
     """Start `how` on the company in a thread; return at once."""
     pausing = Pausing(url, company_id, how)
@@ -418,9 +452,9 @@ def pauser_waits_on(engine: Engine) -> str | None:
     return found
 
 
-def naked_pause(session: Session, company_id: uuid.UUID) -> None:
+def naked_pause(conn: psycopg.Connection[Any], company_id: uuid.UUID) -> None:
     """What a pause would be without the locks: the UPDATE alone."""
-    session.execute(text("UPDATE companies SET paused = true WHERE id = :id"), {"id": company_id})
+    conn.execute("UPDATE companies SET paused = true WHERE id = %(id)s", {"id": company_id})
 
 
 # A claim runs as one call (`fairq_claim`, db/sql/claim.sql); a test stops it at a known point
@@ -504,7 +538,11 @@ class Claiming(threading.Thread):
         engine = make_engine(self.url, application_name=CLAIMER, poolclass=pool.NullPool)
         try:
             with make_sessionmaker(engine)() as session:
-                batch = queue.claim(session, worker_id="race:1", batch_size=self.batch_size)
+                batch = queue.claim(
+                    driver_connection(session, transaction=False),
+                    worker_id="race:1",
+                    batch_size=self.batch_size,
+                )
                 namespace = {"namespace": queue.WAKE_LOCK_NAMESPACE}
                 self.wake_locks = set(session.execute(_WAKE_LOCKS_HELD, namespace).scalars())
                 session.commit()
@@ -672,9 +710,9 @@ def test_without_the_wake_up_lock_that_claim_passes_over_the_row_the_pause_holds
     pause commits. Neither fails, and the paused company stays out of the ring.
     """
 
-    def pause_without_wake_up_lock(session: Session, company_id: uuid.UUID) -> None:
-        naked_pause(session, company_id)
-        session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": queue.CLAIM_LOCK_KEY})
+    def pause_without_wake_up_lock(conn: psycopg.Connection[Any], company_id: uuid.UUID) -> None:
+        naked_pause(conn, company_id)
+        conn.execute("SELECT pg_advisory_xact_lock(%(key)s)", {"key": queue.CLAIM_LOCK_KEY})
 
     sessions = make_sessionmaker(fresh_engine)
     company = _ready_and_short(sessions)
@@ -721,7 +759,9 @@ class Claimers:
             with make_sessionmaker(engine)() as session:
                 while not self.stop.is_set():
                     batch = queue.claim(
-                        session, worker_id=f"claimer:{worker}", batch_size=self.batch_size
+                        driver_connection(session, transaction=False),
+                        worker_id=f"claimer:{worker}",
+                        batch_size=self.batch_size,
                     )
                     session.commit()
                     if not batch:
@@ -729,7 +769,10 @@ class Claimers:
                         continue
                     with self.lock:
                         self.batches.append(batch)
-                    queue.complete_tasks(session, [task.lease for task in batch])
+                    queue.complete_tasks(
+                        driver_connection(session, transaction=False),
+                        [task.lease for task in batch],
+                    )
                     session.commit()
         except BaseException as exc:  # reported by the test
             self.failures.append(exc)
@@ -779,10 +822,15 @@ def test_pauses_racing_eight_concurrent_claimers_never_let_a_claim_take_a_paused
     with claimers.running(), sessions() as session:
         for _ in range(20):
             time.sleep(rng.uniform(0.02, 0.06))
-            companies.pause_company(session, paused)
+            companies.pause_company(driver_connection(session, transaction=False), paused)
             taken = claimed_so_far(session, paused)
             session.commit()
-            queue.create_task(session, company_id=paused, type="noop", payload={})
+            queue.create_task(
+                driver_connection(session, transaction=False),
+                company_id=paused,
+                type="noop",
+                payload={},
+            )
             session.commit()
             time.sleep(rng.uniform(0.03, 0.08))
             assert claimed_so_far(session, paused) == taken
@@ -813,7 +861,9 @@ READ_SO_FAR = text(
 def _claim_reads(session: Session) -> tuple[int, int]:
     """`(buffers, rows)` a claim of 100 reads."""
     before = session.execute(READ_SO_FAR).one()
-    batch = queue.claim(session, worker_id="cost:1", batch_size=100)
+    batch = queue.claim(
+        driver_connection(session, transaction=False), worker_id="cost:1", batch_size=100
+    )
     after = session.execute(READ_SO_FAR).one()
     session.commit()
     assert len(batch) == 100

@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from db import companies, workers
+from db.engine import driver_connection
 from tests import test_processing
 from tests.factories import insert_company, insert_tasks
 from tests.supervisor_harness import wait_for
@@ -47,7 +48,7 @@ class Pauser:
     def _run(self) -> None:
         self.go.wait()
         with self._sessions() as session:
-            companies.pause_company(session, self._company_id)
+            companies.pause_company(driver_connection(session, transaction=False), self._company_id)
             session.commit()
         time.sleep(workers.PAUSE_SEEN_WITHIN_SECONDS)  # the API's wait before it answers
         self.answered_at = time.monotonic()

@@ -19,13 +19,15 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 from marshmallow import INCLUDE, Schema
-from sqlalchemy import Engine, event, pool, text
+from psycopg_pool import ConnectionPool
+from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from db import queue, workers
-from db.engine import make_engine, make_sessionmaker
+from db import connector, queue, workers
+from db.engine import driver_connection, make_engine, make_sessionmaker
 from devtools.webhook_receiver import Receiver
+from tests import pg
 from tests.factories import CreatedTask, MakeCompany, insert_tasks, json_of, take_back
 from worker import processing, tasktypes
 from worker.errors import PermanentTaskError
@@ -120,7 +122,9 @@ def take_over(
 ) -> list[queue.ClaimedTask]:
     """What another worker does: sweep with `stale_after`, then claim."""
     take_back(session, stale_after=stale_after)
-    return queue.claim(session, worker_id=worker_id, batch_size=batch_size)
+    return queue.claim(
+        driver_connection(session, transaction=False), worker_id=worker_id, batch_size=batch_size
+    )
 
 
 @contextlib.contextmanager
@@ -148,9 +152,10 @@ def sweeping(sessions: sessionmaker[Session], stale_after: float) -> Iterator[li
 
 
 def run_pass(sessions: sessionmaker[Session] | Engine, **kw: Any) -> processing.PassResult:
-    """One pass with test defaults (batch 100, stale 300 s)."""
+    """One pass with test defaults (batch 100, stale 300 s), on a worker's pool."""
     settings = kw.pop("settings", PassSettings())
-    return processing.run_pass(sessions, worker_id="test:1", settings=settings, **kw)
+    with pg.worker_pool(sessions) as pool:
+        return processing.run_pass(pool, worker_id="test:1", settings=settings, **kw)
 
 
 def test_noop_tasks_complete(sessions: sessionmaker[Session], fresh_company_id: uuid.UUID) -> None:
@@ -516,7 +521,9 @@ def test_write_unwritten_writes_what_a_failed_pass_kept(
             run_pass(sessions, unwritten=unwritten)
     assert unwritten.completions == 2
 
-    assert processing.write_unwritten(sessions, unwritten) == processing.PassResult(completed=2)
+    with pg.worker_pool(sessions) as pool:
+        written = processing.write_unwritten(pool, unwritten)
+    assert written == processing.PassResult(completed=2)
     assert not unwritten
     assert [r["status"] for r in rows(sessions, ids)] == ["completed"] * 2
 
@@ -524,26 +531,26 @@ def test_write_unwritten_writes_what_a_failed_pass_kept(
 # -- fewer round trips: the pass's connection, the sweep schedule, one keeper --------------
 
 
-def test_a_pass_given_an_engine_checks_out_one_connection_for_all_its_writes(
+def test_a_pass_given_a_pool_checks_out_one_connection_for_all_its_writes(
     fresh_engine: Engine,
     fresh_company_id: uuid.UUID,
     sessions: sessionmaker[Session],
     register: Register,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Sweep, claim, the keeper's flushes and the final ones share one checkout (one ping)."""
     register("slow", lambda task: time.sleep(completer.FLUSH_AFTER_SECONDS * 3))
     insert_tasks(sessions, fresh_company_id, 2, task_type="noop", newest_age_seconds=60)
     insert_tasks(sessions, fresh_company_id, 1, task_type="slow")
     checkouts: list[object] = []
+    real_checkout = connector.checkout
 
-    def checkout(*args: object) -> None:
-        checkouts.append(args)
+    def checkout(pool: Any, **kw: Any) -> psycopg.Connection[Any]:
+        checkouts.append(pool)
+        return real_checkout(pool, **kw)
 
-    event.listen(fresh_engine, "checkout", checkout)
-    try:
-        result = run_pass(fresh_engine)
-    finally:
-        event.remove(fresh_engine, "checkout", checkout)
+    monkeypatch.setattr(connector, "checkout", checkout)
+    result = run_pass(fresh_engine)
     assert result == processing.PassResult(claimed=3, completed=3)
     assert len(checkouts) == 1
 
@@ -554,7 +561,9 @@ def test_a_sweep_schedule_sweeps_expired_leases_only_when_due(
     def lease_expired_task() -> uuid.UUID:
         [task_id] = insert_tasks(sessions, fresh_company_id, 1, task_type="noop")
         with sessions() as session:
-            [claimed] = queue.claim(session, worker_id="dead:1", batch_size=1)
+            [claimed] = queue.claim(
+                driver_connection(session, transaction=False), worker_id="dead:1", batch_size=1
+            )
             session.execute(
                 text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
                 {"id": claimed.id},
@@ -633,25 +642,20 @@ def test_the_lease_keeper_logs_a_database_outage_once_not_every_tick(
     assert keeper[0].exc_info is None
 
 
-# -- the worker's engine ------------------------------------------------------------------
+# -- the worker's connections -------------------------------------------------------------
 
 
-def test_worker_engines_bound_statements_and_detect_dead_peers(fresh_db_url: str) -> None:
-    worker = make_engine(fresh_db_url, poolclass=pool.NullPool, statement_timeout_ms=1234)
-    plain = make_engine(fresh_db_url, poolclass=pool.NullPool)
-    try:
-        with worker.connect() as conn:
-            assert conn.execute(text("SHOW statement_timeout")).scalar_one() == "1234ms"
-            info = conn.connection.dbapi_connection.info  # type: ignore[union-attr]
-            params = info.get_parameters()
-            assert (params["keepalives_idle"], params["tcp_user_timeout"]) == ("10", "30000")
-            with pytest.raises(OperationalError, match="statement timeout"):
-                conn.execute(text("SELECT pg_sleep(2)"))
-        with plain.connect() as conn:
-            assert conn.execute(text("SHOW statement_timeout")).scalar_one() == "0"
-    finally:
-        worker.dispose()
-        plain.dispose()
+def test_worker_connections_bound_statements_and_detect_dead_peers(fresh_db_url: str) -> None:
+    with connector.connect(
+        fresh_db_url, application_name="fairq-tests", statement_timeout_ms=1234
+    ) as conn:
+        assert conn.execute("SHOW statement_timeout").fetchone() == ("1234ms",)
+        params = conn.info.get_parameters()
+        assert (params["keepalives_idle"], params["tcp_user_timeout"]) == ("10", "30000")
+        with pytest.raises(psycopg.errors.QueryCanceled, match="statement timeout"):
+            conn.execute("SELECT pg_sleep(2)")
+    with connector.connect(fresh_db_url, application_name="fairq-tests") as conn:
+        assert conn.execute("SHOW statement_timeout").fetchone() == ("0",)
 
 
 # -- leases held by a live worker, lost by a dead one -------------------------------------
@@ -681,7 +685,7 @@ def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
     # Control: a lease of a worker that does not beat is taken over after the stale window.
     [orphan] = insert_tasks(sessions, fresh_company_id, 1, task_type="long")
     with sessions() as session:
-        queue.claim(session, worker_id="dies:1", batch_size=1)
+        queue.claim(driver_connection(session, transaction=False), worker_id="dies:1", batch_size=1)
         session.commit()
         time.sleep(stale + 0.1)
         [taken] = take_over(session, worker_id="thief:9", stale_after=stale)
@@ -691,11 +695,8 @@ def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
 
 def _pass_in_child(url: str) -> None:
     # A forked child builds its own engine (STACK "Forking"); the handler kills the process.
-    engine = make_engine(url, application_name="dying-worker")
-    try:
-        processing.run_pass(engine, worker_id=f"child:{os.getpid()}")
-    finally:
-        engine.dispose()
+    with pg.worker_pool(make_engine(url), application_name="dying-worker") as pool:
+        processing.run_pass(pool, worker_id=f"child:{os.getpid()}")
 
 
 @pytest.mark.slow
@@ -800,21 +801,16 @@ HELD = "fairq-test-held"
 
 
 @pytest.fixture
-def worker_engine(fresh_db_url: str) -> Iterator[Engine]:
-    """An engine like a worker child's (a real pool, pre-ping), with its own application_name."""
-    engine = make_engine(
-        fresh_db_url,
-        application_name=HELD,
-        statement_timeout_ms=processing.WORKER_STATEMENT_TIMEOUT_MS,
-    )
-    yield engine
-    engine.dispose()
+def worker_engine(fresh_engine: Engine) -> Iterator[ConnectionPool[psycopg.Connection[Any]]]:
+    """A pool like a worker child's, with its own application_name."""
+    with pg.worker_pool(fresh_engine, application_name=HELD) as pool:
+        yield pool
 
 
 def test_a_retry_is_written_when_the_held_connection_died_during_the_handler(
     sessions: sessionmaker[Session],
     fresh_company_id: uuid.UUID,
-    worker_engine: Engine,
+    worker_engine: ConnectionPool[psycopg.Connection[Any]],
     fresh_engine: Engine,
     register: Register,
 ) -> None:
@@ -853,7 +849,7 @@ def test_a_retry_is_written_when_the_held_connection_died_during_the_handler(
 def test_a_sweep_that_hit_its_limit_sweeps_again_on_the_next_pass(
     sessions: sessionmaker[Session],
     fresh_company_id: uuid.UUID,
-    worker_engine: Engine,
+    worker_engine: ConnectionPool[psycopg.Connection[Any]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with sessions() as session:

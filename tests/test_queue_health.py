@@ -21,6 +21,7 @@ from tests.factories import (
     insert_task,
     insert_weighted_company,
 )
+from tests.test_queue_metrics import connecting
 
 
 def add(session: Session, company: uuid.UUID, count: int, **values: Any) -> None:
@@ -119,7 +120,7 @@ def test_the_backlog_gauge_counts_only_work_waiting_for_workers(fresh_engine: En
     with make_sessionmaker(fresh_engine)() as session:
         build_mixed_queue(session)
 
-    values = samples(list(QueueCollector(fresh_engine, 1000).collect()))
+    values = samples(list(QueueCollector(connecting(fresh_engine), 1000).collect()))
 
     assert 90 <= values["oldest_runnable_pending_age_seconds"][""] < 150
     assert values["oldest_held_pending_age_seconds"].keys() == {"paused", "max_in_flight"}
@@ -137,7 +138,7 @@ def test_a_queue_held_only_by_a_pause_reports_no_runnable_wait(fresh_engine: Eng
         due(session, company, 5, 600)
         pause(session, company)
 
-    values = samples(list(QueueCollector(fresh_engine, 1000).collect()))
+    values = samples(list(QueueCollector(connecting(fresh_engine), 1000).collect()))
 
     assert values["oldest_runnable_pending_age_seconds"] == {"": 0}
     assert values["due_companies"] == {"none": 0, "paused": 1, "max_in_flight": 0}
@@ -154,7 +155,7 @@ def test_dead_row_versions_of_the_queue_tables_are_reported(fresh_engine: Engine
     # closed above); the report can take a moment to become visible.
     deadline = time.monotonic() + 15
     while True:
-        values = samples(list(QueueCollector(fresh_engine, 1000).collect()))
+        values = samples(list(QueueCollector(connecting(fresh_engine), 1000).collect()))
         if values["queue_table_dead_tuples"].get("tasks", 0) >= 20 or time.monotonic() > deadline:
             break
         time.sleep(0.2)

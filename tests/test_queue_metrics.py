@@ -2,22 +2,39 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
+import psycopg
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Connection, Engine, pool, text
 from sqlalchemy.orm import Session
 
+from api import database
 from api.metrics import OLDEST_XMIN_HOLDER_HELP, TASKS_BY_STATUS_HELP, QueueCollector
 from db import statistics
 from db.engine import make_engine, make_sessionmaker
 from tests.conftest import serve_app
 from tests.factories import MakeCompany, insert_company, insert_delayed_tasks, insert_task
+
+
+def connecting(engine: Engine) -> Callable[[], AbstractContextManager[psycopg.Connection[Any]]]:
+    """What `QueueCollector` opens per scrape: the API's probe connection to `engine`'s database."""
+    url = engine.url.render_as_string(hide_password=False)
+    settings = {
+        "url": url,
+        "application_name": "fairq-tests",
+        "transaction_pooling": False,
+        "connect_timeout": 2,
+    }
+    return functools.partial(database.probe_for, settings)
 
 
 def gauges(collector: QueueCollector) -> dict[str, dict[str, float]]:
@@ -45,7 +62,7 @@ def test_small_queues_are_counted_exactly_and_only_runnable_work_ages(
         add(session, company, 4, status="completed")
         add(session, company, 1, status="cancelled")
 
-    values = gauges(QueueCollector(fresh_engine, 1000))
+    values = gauges(QueueCollector(connecting(fresh_engine), 1000))
 
     assert values["tasks_by_status"] == {
         "pending": 5,
@@ -59,7 +76,7 @@ def test_small_queues_are_counted_exactly_and_only_runnable_work_ages(
 
 
 def test_an_empty_queue_reports_zeros(fresh_engine: Engine) -> None:
-    values = gauges(QueueCollector(fresh_engine, 1000))
+    values = gauges(QueueCollector(connecting(fresh_engine), 1000))
     assert set(values["tasks_by_status"].values()) == {0}
     assert values["oldest_eligible_pending_age_seconds"] == {"": 0}
 
@@ -73,7 +90,7 @@ def test_counts_above_the_limits_are_estimates_never_below_the_limit(
     capped count's lower bound is reported. After ANALYZE, rows added to the same page do
     not move the estimate (it scales with the table's pages), which shows it is one.
     """
-    collector = QueueCollector(fresh_engine, 1000, live_limit=3, terminal_limit=2)
+    collector = QueueCollector(connecting(fresh_engine), 1000, live_limit=3, terminal_limit=2)
     with make_sessionmaker(fresh_engine)() as session:
         company = insert_company(session).id
         add(session, company, 5)
@@ -103,7 +120,9 @@ def test_counts_above_the_limits_are_estimates_never_below_the_limit(
 
 def test_the_help_text_says_when_counts_are_estimates(fresh_engine: Engine) -> None:
     [family] = [
-        f for f in QueueCollector(fresh_engine, 1000).collect() if f.name == "tasks_by_status"
+        f
+        for f in QueueCollector(connecting(fresh_engine), 1000).collect()
+        if f.name == "tasks_by_status"
     ]
     assert family.documentation == TASKS_BY_STATUS_HELP
     assert "estimate" in TASKS_BY_STATUS_HELP
@@ -117,7 +136,7 @@ def test_a_database_error_yields_nothing() -> None:
         poolclass=pool.NullPool,
     )
     try:
-        assert list(QueueCollector(engine, 1000).collect()) == []
+        assert list(QueueCollector(connecting(engine), 1000).collect()) == []
     finally:
         engine.dispose()
 
@@ -133,7 +152,7 @@ def test_the_oldest_eligible_task_costs_one_probe_per_company_despite_a_delayed_
     db_session.execute(text("ANALYZE tasks, companies"))
 
     [plan] = db_session.execute(
-        text("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + str(statistics._OLDEST_ELIGIBLE.text))
+        text("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statistics._OLDEST_ELIGIBLE)
     ).scalar_one()
 
     scans = [
@@ -225,7 +244,7 @@ def test_an_idle_writer_is_the_holder_not_the_younger_snapshots_that_wait_on_it(
     The holder is the writer (the oldest start among them), idle in transaction with no
     snapshot of its own (READ COMMITTED between statements) but an xid.
     """
-    collector = QueueCollector(fresh_engine, 1000)
+    collector = QueueCollector(connecting(fresh_engine), 1000)
     writer = fresh_engine.connect()
     reader: Connection | None = None
     try:
@@ -261,7 +280,7 @@ def test_a_read_committed_transaction_between_statements_holds_nothing(
     fresh_engine: Engine,
 ) -> None:
     """Open is not enough: without a snapshot or an xid, a transaction pins no row version."""
-    collector = QueueCollector(fresh_engine, 1000)
+    collector = QueueCollector(connecting(fresh_engine), 1000)
     idle = open_snapshot(fresh_engine, "READ COMMITTED")
     try:
         time.sleep(0.5)
@@ -275,7 +294,7 @@ def test_a_prepared_transaction_holds_back_cleanup_from_its_prepare(fresh_engine
     with fresh_engine.connect() as conn:
         if int(conn.execute(text("SHOW max_prepared_transactions")).scalar_one()) == 0:
             pytest.skip("the server has max_prepared_transactions = 0")
-    collector = QueueCollector(fresh_engine, 1000)
+    collector = QueueCollector(connecting(fresh_engine), 1000)
     gid = f"fairq-test-{uuid.uuid4()}"
     with fresh_engine.connect() as conn:
         conn.execute(text("INSERT INTO companies (name) VALUES ('p')"))

@@ -24,7 +24,8 @@ from sqlalchemy.exc import DataError
 from sqlalchemy.orm import Session, sessionmaker
 
 from db import queue
-from tests import test_processing
+from db.engine import driver_connection
+from tests import pg, test_processing
 from tests.factories import CreatedTask, MakeCompany, MakeTask, insert_tasks, json_of
 from tests.test_processing import Recorder, Register, rows, run_pass
 from worker import processing
@@ -167,7 +168,9 @@ def test_complete_tasks_stores_each_result_and_null_where_there_is_none(
     with_result, without = claimed_task(company), claimed_task(company)
     leases = [queue.Lease(t.id, t.lease_token) for t in (with_result, without)]  # type: ignore[arg-type]
 
-    completed = queue.complete_tasks(db_session, leases, ['{"n":1}', None])
+    completed = queue.complete_tasks(
+        driver_connection(db_session, transaction=False), leases, ['{"n":1}', None]
+    )
 
     assert completed == {with_result.id, without.id}
     stored: dict[uuid.UUID, Any] = dict(
@@ -243,7 +246,9 @@ def test_a_result_left_unwritten_by_a_database_error_is_written_by_the_next_pass
             run_pass(sessions, unwritten=unwritten)
     assert unwritten.completions == 1
 
-    assert processing.write_unwritten(sessions, unwritten) == processing.PassResult(completed=1)
+    with pg.worker_pool(sessions) as pool:
+        written = processing.write_unwritten(pool, unwritten)
+    assert written == processing.PassResult(completed=1)
     [stored] = rows(sessions, [task_id])
     assert (stored["status"], stored["result"]) == ("completed", {"answer": 42})
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import Engine, text
 
 from db import maintenance, queue
-from db.engine import make_sessionmaker
+from db.engine import driver_connection, make_sessionmaker
 from tests.factories import insert_company, insert_task
 
 
@@ -21,8 +21,10 @@ def test_retention_skips_a_task_whose_retry_is_in_flight_and_it_survives(
     sessions = make_sessionmaker(fresh_engine)
     with sessions() as api, sessions() as retention:
         # The API moves the task back to pending but has not committed yet.
-        queue.retry_task(api, company.id, task.id)
-        deleted = maintenance.delete_expired_tasks(retention, retention_seconds=7 * 86400)
+        queue.retry_task(driver_connection(api, transaction=False), company.id, task.id)
+        deleted = maintenance.delete_expired_tasks(
+            driver_connection(retention, transaction=False), retention_seconds=7 * 86400
+        )
         retention.commit()
         api.commit()
 
@@ -40,7 +42,8 @@ def test_an_idempotency_key_whose_task_was_deleted_creates_a_new_task(
     with make_sessionmaker(fresh_engine)() as session:
         company = insert_company(session)
         first, created = queue.create_task(
-            session, company_id=company.id, type="noop", payload={}, idempotency_key="k-1",
+        driver_connection(session, transaction=False),
+        company_id=company.id, type="noop", payload={}, idempotency_key="k-1",
             request_hash="h",
         )  # fmt: skip
         session.commit()
@@ -48,7 +51,8 @@ def test_an_idempotency_key_whose_task_was_deleted_creates_a_new_task(
         session.commit()
 
         second, created_again = queue.create_task(
-            session, company_id=company.id, type="noop", payload={}, idempotency_key="k-1",
+        driver_connection(session, transaction=False),
+        company_id=company.id, type="noop", payload={}, idempotency_key="k-1",
             request_hash="h",
         )  # fmt: skip
         session.commit()

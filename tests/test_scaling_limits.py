@@ -24,8 +24,9 @@ from tests.supervisor_harness import StartSupervisor, wait_for
 from tests.test_settings import URL, readme_defaults
 from worker.settings import WorkerSettings
 
-# Connections of one booted, idle child: its engine's one and its LISTEN connection.
-CONNECTIONS_PER_CHILD = 2
+# Connections of one booted child, idle or busy: its pool's two (a pass's, its liveness
+# thread's heartbeat's) and its LISTEN connection.
+CONNECTIONS_PER_CHILD = 3
 
 
 class LimitedRole:
@@ -91,7 +92,7 @@ def test_children_that_cannot_connect_are_retried_while_the_working_ones_carry_o
     wait_for(
         lambda: limited_role.connections() == 2 * CONNECTIONS_PER_CHILD,
         5,
-        "each child to hold its two connections",
+        "each child to hold its connections",
     )
 
     # A third child finds no connection left: it fails to boot, again and again.
@@ -176,11 +177,11 @@ def test_the_readme_states_the_default_of_the_new_worker_settings(name: str) -> 
     assert WorkerSettings.from_env(stated) == WorkerSettings.from_env({"DATABASE_URL": URL})
 
 
-def test_a_child_uses_one_engine_connection_however_busy(
+def test_a_child_uses_its_pools_two_connections_however_busy(
     limited_role: LimitedRole, supervisor: StartSupervisor, fresh_engine: Engine
 ) -> None:
-    # Room for the LISTEN connection and exactly one more: a second engine connection at
-    # any moment (a pass, its lease keeper, retention) would be refused and logged.
+    # Room for the LISTEN connection and the pool's two: a third at any moment (a pass, its
+    # lease keeper, the heartbeat, retention) would be refused and logged.
     limited_role.limit(CONNECTIONS_PER_CHILD)
     company = insert_company(fresh_engine).id
     tasks = insert_tasks(fresh_engine, company, 30, task_type="sleep", payload={"seconds": 0.02})

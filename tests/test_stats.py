@@ -21,7 +21,7 @@ from api import database
 from api.settings import ApiSettings
 from common.environment import SettingsError
 from db import errors, tenant_stats
-from db.engine import make_sessionmaker
+from db.engine import driver_connection, make_sessionmaker
 from tests.conftest import make_test_app
 from tests.factories import CompanyWithKey, MakeCompany, insert_company, insert_task, json_of
 
@@ -194,7 +194,7 @@ def fresh_app(fresh_db_url: str) -> Iterator[Flask]:
     """An app on the fresh database (its requests see what the test committed there)."""
     app = make_test_app(fresh_db_url)
     yield app
-    database.engine_of(app).dispose()
+    database.close(app)
 
 
 def test_the_queues_figures_add_up_every_company_and_rank_them(
@@ -260,8 +260,12 @@ def test_rankings_list_at_most_top_companies_ties_by_id(
         insert_task(db_session, company.id, run_after=ago("1 minute"))
     connection = db_session.connection()
 
-    by_backlog = tenant_stats.top_by_backlog(connection, top=2)
-    by_wait = tenant_stats.top_by_oldest_wait(connection, top=2)
+    by_backlog = tenant_stats.top_by_backlog(
+        driver_connection(connection, transaction=False), top=2
+    )
+    by_wait = tenant_stats.top_by_oldest_wait(
+        driver_connection(connection, transaction=False), top=2
+    )
 
     assert [rank.company_id for rank in by_backlog] == [c.id for c in companies[:2]]
     assert [rank.company_id for rank in by_wait] == [c.id for c in companies[:2]]
@@ -269,7 +273,7 @@ def test_rankings_list_at_most_top_companies_ties_by_id(
 
 def test_an_unknown_company_is_not_found(db_session: Session) -> None:
     with pytest.raises(errors.NotFound):
-        tenant_stats.company_stats(db_session.connection(), uuid.uuid4())
+        tenant_stats.company_stats(driver_connection(db_session), uuid.uuid4())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,7 +288,7 @@ def test_runnable_is_exact_past_the_limit_while_the_delayed_tasks_are_within_it(
     add_known_tasks(db_session, company.id)  # 3 runnable, 2 delayed
 
     stats = tenant_stats.company_stats(
-        db_session.connection(), company.id, limits=tenant_stats.Limits(live=2, finished=100)
+        driver_connection(db_session), company.id, limits=tenant_stats.Limits(live=2, finished=100)
     )
 
     assert stats.runnable == 3
@@ -307,7 +311,9 @@ def test_figures_past_the_limits_are_estimates_and_flagged(
     limits = tenant_stats.Limits(live=2, finished=3, sample_pages=WHOLE_TABLE)
     connection = db_session.connection()
 
-    stats = tenant_stats.company_stats(connection, company.id, limits=limits)
+    stats = tenant_stats.company_stats(
+        driver_connection(connection, transaction=False), company.id, limits=limits
+    )
 
     assert set(stats.estimated) == {
         "runnable",
@@ -339,7 +345,7 @@ def test_a_processing_count_past_the_limit_makes_pending_an_estimate_too(
     add_known_tasks(db_session, company.id)
 
     stats = tenant_stats.company_stats(
-        db_session.connection(),
+        driver_connection(db_session),
         company.id,
         limits=tenant_stats.Limits(live=0, finished=100, sample_pages=WHOLE_TABLE),
     )
@@ -362,7 +368,7 @@ def test_the_queues_figures_past_small_limits_are_flagged_in_the_json(
         queue = json_of(client.get("/stats", headers=admin_headers))
         own = json_of(client.get(f"/companies/{company.id}/stats", headers=company.headers))
     finally:
-        database.engine_of(app).dispose()
+        database.close(app)
 
     for body in (queue, own):
         assert {"runnable", "tasks.completed", "completed_last_60m"} <= set(body["estimated"])
@@ -400,8 +406,12 @@ def test_estimates_come_from_a_sample_that_sees_how_status_and_company_go_togeth
     limits = tenant_stats.Limits(live=1000, finished=100, sample_pages=100)
     with fresh_engine.connect() as connection:
         pages = connection.execute(text("SELECT pg_relation_size('tasks') / 8192")).scalar_one()
-        stats = tenant_stats.company_stats(connection, whale.id, limits=limits)
-        queue = tenant_stats.queue_stats(connection, limits=limits)
+        stats = tenant_stats.company_stats(
+            driver_connection(connection, transaction=False), whale.id, limits=limits
+        )
+        queue = tenant_stats.queue_stats(
+            driver_connection(connection, transaction=False), limits=limits
+        )
 
     assert pages > 3 * limits.sample_pages  # a sample, not the whole table
     assert {"runnable", "tasks.completed"} <= set(stats.estimated)
@@ -467,7 +477,7 @@ def test_the_queues_stats_answer_503_without_an_admin_token(main_db_url: str) ->
     try:
         response = app.test_client().get("/stats", headers={"Authorization": "Bearer some-token"})
     finally:
-        database.engine_of(app).dispose()
+        database.close(app)
 
     assert response.status_code == 503
     assert "ADMIN_TOKEN" in json_of(response)["message"]
@@ -492,7 +502,7 @@ def test_a_query_past_the_statement_timeout_is_a_503_that_says_so(
             response = client.get(path.format(id=company.id), headers=admin_headers)
         after = client.get(path.format(id=company.id), headers=admin_headers)
     finally:
-        database.engine_of(app).dispose()
+        database.close(app)
 
     assert response.status_code == 503
     body = json_of(response)
@@ -527,7 +537,7 @@ def run_limited(engine: Engine, timeout_ms: int, sql: str) -> None:
     with (
         engine.connect() as connection,
         connection.begin(),
-        tenant_stats.time_limit(connection, timeout_ms),
+        tenant_stats.time_limit(driver_connection(connection, transaction=False), timeout_ms),
     ):
         connection.execute(text(sql))
 

@@ -28,7 +28,7 @@ def offline_client() -> Iterator[FlaskClient]:
     """A client of an app whose DATABASE_URL points at a closed port."""
     app = make_test_app(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/nowhere")
     yield app.test_client()
-    database.engine_of(app).dispose()
+    database.close(app)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_ready_is_503_within_seconds_when_the_database_does_not_answer(
         response = app.test_client().get("/ready")
         elapsed = time.monotonic() - started
     finally:
-        database.engine_of(app).dispose()
+        database.close(app)
 
     assert response.status_code == 503
     assert json_of(response) == {"status": "unavailable", "database": "unreachable"}

@@ -32,6 +32,7 @@ from api.settings import ApiSettings
 from api.tasks.routes import BATCH_KEY_HEADER_REFUSED
 from api.tasks.schemas import MAX_BATCH_TASKS
 from db import errors, queue
+from db.engine import driver_connection
 from db.models import Task
 from tests import pg
 from tests import test_openapi_client as openapi_client
@@ -134,7 +135,9 @@ def test_a_batch_is_claimed_in_request_order(
     tasks = [{"type": "noop", "payload": {}, "idempotency_key": f"n-{n}"} for n in range(30)]
     ids = [item["id"] for item in items_of(post_batch(client, company, {"tasks": tasks}))]
 
-    claimed = queue.claim(db_session, worker_id="test:1", batch_size=30)
+    claimed = queue.claim(
+        driver_connection(db_session, transaction=False), worker_id="test:1", batch_size=30
+    )
 
     # One now() for the whole batch: ids in request order break the tie in run_after.
     assert [str(task.id) for task in claimed] == ids
@@ -570,14 +573,15 @@ def batch_during_an_open_create(
     """
     with Session(engine) as holder:
         held, _ = queue.create_task(
-            holder, company_id=company_id, type="noop", payload={}, max_attempts=5,
+        driver_connection(holder, transaction=False),
+        company_id=company_id, type="noop", payload={}, max_attempts=5,
             timeout_seconds=60, idempotency_key="k", request_hash="hash-1",
         )  # fmt: skip
 
         def batch() -> list[tuple[queue.TaskRecord, bool]]:
             with Session(engine) as session:
                 created = queue.create_tasks(
-                    session,
+                    driver_connection(session, transaction=False),
                     company_id=company_id,
                     tasks=[new_task(), new_task("k", batch_hash), new_task("other", "h")],
                 )
@@ -630,7 +634,10 @@ def test_a_batch_wakes_idle_workers_once_and_a_batch_of_replays_not_at_all(
         for _ in range(2):
             with Session(fresh_engine) as session:
                 queue.create_tasks(
-                    session, company_id=fresh_company_id, tasks=tasks, notify_channel="batch_test"
+                    driver_connection(session, transaction=False),
+                    company_id=fresh_company_id,
+                    tasks=tasks,
+                    notify_channel="batch_test",
                 )
                 session.commit()
         notes = list(listener.notifies(timeout=1.0))

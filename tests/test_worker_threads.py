@@ -31,8 +31,8 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from common.environment import SettingsError
+from tests import pg, test_processing
 from tests import supervisor_harness as harness
-from tests import test_processing
 from tests.factories import insert_company, insert_tasks
 from tests.supervisor_harness import RunningSupervisor, StartSupervisor, wait_for
 from tests.test_processing import Recorder, Register, TopOfRange, rows, run_pass
@@ -175,14 +175,16 @@ def test_a_batch_smaller_than_the_threads_starts_only_the_runners_it_needs(
 
     register("both", both)
     ids = insert_tasks(sessions, fresh_company_id, 2, task_type="both")
-    before = threading.active_count()
-
-    result = run_pass(sessions, settings=threads(16))
+    with pg.worker_pool(sessions) as pool:
+        pool.open()  # its threads, as a child's, run before and after the pass
+        before = threading.active_count()
+        result = processing.run_pass(pool, worker_id="test:1", settings=threads(16))
+        after = threading.active_count()
 
     assert result == processing.PassResult(claimed=2, completed=2)
     assert len({spans.threads[t] for t in ids}) == 2
     assert max(alive) - before == 2  # the pass's lease keeper and one runner, not fifteen
-    assert threading.active_count() == before
+    assert after == before
 
 
 def test_runners_kept_across_passes_serve_each_pass(

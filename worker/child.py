@@ -6,8 +6,9 @@ Forked by `worker.supervisor`. In order, a child:
    supervisor calls `reset_inherited_signals` first thing after fork, and closes its wakeup
    pipe, metrics sockets and sibling pipes), then `main` installs the child's own: TERM, INT
    and QUIT set the stop flag; HUP, TTIN and TTOU are the supervisor's business and ignored;
-2. boots: starts its `liveness.AliveSignal` thread, builds its own engine (the supervisor never has
-   one; a pool of two connections: a pass's, and its liveness thread's), checks that the
+2. boots: starts its `liveness.AliveSignal` thread, builds its own connection pool (the
+   supervisor never has one; two connections: a pass's, and its liveness thread's,
+   `db.connector.make_pool`), checks that the
    database answers and is migrated, registers its `workers` row (`processing.Holder`),
    which the liveness thread beats from then on, and tells the supervisor on its status
    pipe, `booted` or `error: <reason>` followed by exit status `BOOT_ERROR`;
@@ -19,7 +20,7 @@ Forked by `worker.supervisor`. In order, a child:
    process. What the interrupted pass could not write (completions, releases of unstarted
    tasks) stays unwritten (`processing.UnwrittenOutcomes`): the next pass writes it before
    it claims, so those tasks neither wait out their leases nor run again. Every statement
-   of the child's engine is bounded by `processing.WORKER_STATEMENT_TIMEOUT_MS`;
+   of the child's connections is bounded by `processing.WORKER_STATEMENT_TIMEOUT_MS`;
 4. stops when the stop flag is set (the pass starts no other task, finishes the ones in hand
    and releases the rest of its batch) or when its parent is gone (`os.getppid()` changed;
    looked at before a task at most every `ORPHAN_POLL_SECONDS`, a system call saved on
@@ -35,7 +36,7 @@ Forked by `worker.supervisor`. In order, a child:
    database down) leaves leases behind, for the sweep.
 
 Fewer round trips and less work per batch (`worker.processing`): each pass holds one
-connection of the child's engine; dead workers' leases are swept every few seconds
+connection of the child's pool; dead workers' leases are swept every few seconds
 (`processing.SweepSchedule`), not before every claim; and one lease keeper thread
 (`processing.LeaseKeeper`) serves every pass, as do its `WORKER_THREADS - 1` runner threads
 (`processing.Runners`), which run handlers beside the main thread.
@@ -56,20 +57,20 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import psycopg
-from sqlalchemy import Engine, text
+from psycopg_pool import ConnectionPool
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import Session, sessionmaker
 
 from common import logging as fairq_logging
+from db import connector, maintenance
 from db import engine as db_engine
 from db import errors as db_errors
-from db import maintenance
+from db.engine import driver_errors
 from worker import backoff, liveness, wakeups
 from worker.settings import WorkerSettings
 
@@ -99,9 +100,6 @@ ORPHAN_POLL_SECONDS = 0.1
 # Backoff after a database error, and between attempts to re-LISTEN.
 RETRY_BACKOFF_MIN_SECONDS = 0.5
 RETRY_BACKOFF_MAX_SECONDS = 10.0
-
-# A pooled connection idle longer than this is pinged before use (`db.engine.make_engine`).
-PING_AFTER_IDLE_SECONDS = 1.0
 
 MAINTENANCE_INTERVAL_SECONDS = 60.0
 # One retention run stops after this long, so a large backlog does not stall processing.
@@ -162,8 +160,7 @@ class Child:
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
             os.set_blocking(fd, False)
-        self._engine: Engine | None = None
-        self._sessions: sessionmaker[Session] | None = None
+        self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
         self._metrics: metrics.TaskMetrics | None = None
         self._unwritten: processing.UnwrittenOutcomes | None = None
         self._sweep_schedule: processing.SweepSchedule | None = None
@@ -238,31 +235,38 @@ class Child:
         except Exception as exc:
             log.exception("importing the processing code failed")
             return f"cannot import the processing code: {exc!r}"
-        self._engine = db_engine.make_engine(
+        self._pool = connector.make_pool(
             self.settings.database_url,
             application_name=APPLICATION_NAME,
             statement_timeout_ms=processing.WORKER_STATEMENT_TIMEOUT_MS,
             transaction_pooling=self.settings.transaction_pooling,
             # Two connections: a pass and its lease keeper share one, the liveness thread's
             # heartbeat has the other, so that it never waits for a pass's statement (README,
-            # "The worker supervisor": connections per child).
-            pool_size=2,
-            max_overflow=0,
-            # Not pinged on every pass's checkout, a round trip per batch: a busy child uses
-            # its connection all the time, and a dead one fails its pass's first statement,
-            # which the loop retries on a new connection (tests/test_outage.py).
-            ping_after_idle=PING_AFTER_IDLE_SECONDS,
+            # "The worker supervisor": connections per child). Pinged only after idling
+            # (`db.connector.checkout`), not on every pass, a round trip per batch: a busy
+            # child uses its connection all the time, and a dead one fails its pass's first
+            # statement, which the loop retries on a new connection (tests/test_outage.py).
+            min_size=2,
+            max_size=2,
         )
-        self._sessions = db_engine.make_sessionmaker(self._engine)
         # A database that is restarting (a deploy, a failover) is waited out for
         # `boot_timeout`; one that answers without our tables is a boot error at once.
         deadline = time.monotonic() + self.settings.boot_timeout
         retries = backoff.Backoff(RETRY_BACKOFF_MIN_SECONDS, RETRY_BACKOFF_MAX_SECONDS)
         while True:
             try:
-                with self._engine.connect() as conn:
+                # A connection of its own, made in this thread: a refused one fails at once,
+                # where the pool would wait for its background attempts.
+                with (
+                    driver_errors("boot"),
+                    connector.connect(
+                        self.settings.database_url,
+                        application_name=APPLICATION_NAME,
+                        transaction_pooling=self.settings.transaction_pooling,
+                    ) as conn,
+                ):
                     # The table the child works on: an unmigrated database is a boot error.
-                    conn.execute(text("SELECT 1 FROM tasks LIMIT 0"))
+                    conn.execute("SELECT 1 FROM tasks LIMIT 0")
                 self._holder = processing.Holder(
                     self.worker_id, host=socket.gethostname(), pid=os.getpid(),
                     write=self._write_committed,
@@ -291,14 +295,22 @@ class Child:
             self._listen_retry_at = time.monotonic() + self._listen_backoff.next()
         return None
 
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection of the child, for work outside a pass (its holder's writes,
+        retention), in autocommit."""
+        assert self._pool is not None
+        with driver_errors("connect"):
+            conn = connector.checkout(self._pool)
+        try:
+            yield conn
+        finally:
+            connector.checkin(self._pool, conn)
+
     def _write_committed(self, statement: Callable[[psycopg.Connection[Any]], T]) -> T:
-        """Run `statement` on a connection of the child's engine, committed (its holder's)."""
-        assert self._sessions is not None
-        with self._sessions() as session:
-            with db_engine.driver_errors("workers"):
-                result = statement(db_engine.driver_connection(session, transaction=False))
-            session.commit()
-        return result
+        """Run `statement` on a pooled connection of the child, in autocommit (its holder's)."""
+        with self._connection() as conn:
+            return statement(conn)
 
     def _deregister(self) -> None:
         """Delete this child's `workers` row if it holds no lease (all written or released)."""
@@ -323,8 +335,8 @@ class Child:
         if self._runners is not None:
             self._runners.close()
         self._listener.close()
-        if self._engine is not None:
-            self._engine.dispose()
+        if self._pool is not None:
+            self._pool.close()
         signal.set_wakeup_fd(-1)
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
@@ -383,9 +395,9 @@ class Child:
 
         if not self._unwritten:
             return
-        assert self._engine is not None
+        assert self._pool is not None
         try:
-            processing.write_unwritten(self._engine, self._unwritten, observer=self._metrics)
+            processing.write_unwritten(self._pool, self._unwritten, observer=self._metrics)
         except (DBAPIError, psycopg.Error) as exc:
             log.warning(
                 "stopping with %d completions and %d releases unwritten (%s); those tasks "
@@ -397,9 +409,9 @@ class Child:
         """Run one processing pass; return how many tasks it claimed."""
         from worker import processing  # noqa: PLC0415  (imported by _boot already)
 
-        assert self._engine is not None
+        assert self._pool is not None
         result = processing.run_pass(
-            self._engine,
+            self._pool,
             worker_id=self.worker_id,
             settings=self.settings,
             stop=self.should_stop,
@@ -496,13 +508,12 @@ class Child:
         self._next_maintenance = now + MAINTENANCE_INTERVAL_SECONDS
         if self.settings.retention_days <= 0:
             return
-        assert self._sessions is not None
         retention = self.settings.retention_days * 86400.0
         deleted = 0
         while not self.should_stop() and time.monotonic() - now < MAINTENANCE_BUDGET_SECONDS:
-            with self._sessions() as session:
-                count = maintenance.delete_expired_tasks(session, retention_seconds=retention)
-                session.commit()
+            # The retention lock lasts for the transaction: one per batch.
+            with self._connection() as conn, driver_errors("retention"), conn.transaction():
+                count = maintenance.delete_expired_tasks(conn, retention_seconds=retention)
             if count is None:  # another runner holds the lock
                 break
             deleted += count

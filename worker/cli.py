@@ -21,7 +21,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from sqlalchemy.exc import DBAPIError
 
@@ -30,7 +30,8 @@ from common.environment import SettingsError
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
-    from sqlalchemy.orm import Session, sessionmaker
+    import psycopg
+    from psycopg_pool import ConnectionPool
 
     from worker import processing
 
@@ -146,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_once(settings: WorkerSettings) -> int:
     """One processing pass in this process; print `{claimed, completed, ...}` as one line."""
-    from db import engine as db_engine  # noqa: PLC0415
+    from db import connector  # noqa: PLC0415
     from worker import processing  # noqa: PLC0415
 
     # TERM or INT (a Job's deadline, `timeout`, Ctrl-C) stops the pass as in a child: the
@@ -154,17 +155,18 @@ def run_once(settings: WorkerSettings) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda _signum, _frame: stop.set())
-    engine = db_engine.make_engine(
+    pool = connector.make_pool(
         settings.database_url,
         application_name="fairq-worker-once",
         statement_timeout_ms=processing.WORKER_STATEMENT_TIMEOUT_MS,
         transaction_pooling=settings.transaction_pooling,
+        min_size=1,
+        max_size=1,
     )
-    sessions = db_engine.make_sessionmaker(engine)
     unwritten = processing.UnwrittenOutcomes()
     try:
         result = processing.run_pass(
-            sessions,
+            pool,
             worker_id=f"{socket.gethostname()}:{os.getpid()}",
             settings=settings,
             stop=stop.is_set,
@@ -173,10 +175,10 @@ def run_once(settings: WorkerSettings) -> int:
         )
     except DBAPIError as exc:
         print(f"fairq worker: database error: {exc.orig or exc}", file=sys.stderr)
-        _write_unwritten(sessions, unwritten)
+        _write_unwritten(pool, unwritten)
         return 1
     finally:
-        engine.dispose()
+        pool.close()
     print(json.dumps(dataclasses.asdict(result)), flush=True)
     return 0
 
@@ -198,7 +200,7 @@ def _exit_overrun(overrun: processing.Overrun) -> NoReturn:
 
 
 def _write_unwritten(
-    sessions: sessionmaker[Session], unwritten: processing.UnwrittenOutcomes
+    pool: ConnectionPool[psycopg.Connection[Any]], unwritten: processing.UnwrittenOutcomes
 ) -> None:
     """Try once more to write what the failed pass left; say on stderr what stays unwritten."""
     from worker import processing  # noqa: PLC0415
@@ -206,7 +208,7 @@ def _write_unwritten(
     if not unwritten:
         return
     with contextlib.suppress(DBAPIError):
-        processing.write_unwritten(sessions, unwritten)
+        processing.write_unwritten(pool, unwritten)
     if unwritten:
         print(
             f"fairq worker: {unwritten.completions} completions and {unwritten.releases} "

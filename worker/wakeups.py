@@ -7,12 +7,12 @@ poll. The listener holds a session of its own, so behind a transaction pooler it
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
-from sqlalchemy.engine import make_url
 
-from db import engine as db_engine
+from db import connector
 
 # application_name of the listener's connection (operators and tests find it by it).
 LISTEN_APPLICATION_NAME = "fairq-worker-listen"
@@ -27,32 +27,23 @@ class Listener:
     """
 
     def __init__(self, database_url: str | None, channel: str) -> None:
-        self._conninfo = (
-            None
-            if database_url is None
-            else make_url(database_url).set(drivername="postgresql").render_as_string(False)
-        )
+        self._url = database_url
         self._channel = channel
-        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+        self._conn: psycopg.Connection[Any] | None = None
 
     @property
     def enabled(self) -> bool:
         """Whether there is a URL to LISTEN on."""
-        return self._conninfo is not None
+        return self._url is not None
 
     def connect(self) -> None:
         """Open the connection and LISTEN; raises `psycopg.Error` on failure."""
         self.close()
-        if self._conninfo is None:
+        if self._url is None:
             return
-        conn = psycopg.connect(
-            # An idle listener on a black-holed network would otherwise wait for a NOTIFY
-            # that can never arrive, without noticing: keepalives find the dead peer.
-            make_conninfo(self._conninfo, **db_engine.TCP_ARGS),
-            autocommit=True,
-            application_name=LISTEN_APPLICATION_NAME,
-            connect_timeout=5,
-        )
+        # The connector's keepalives matter most here: an idle listener on a black-holed
+        # network would otherwise wait for a NOTIFY that can never arrive, without noticing.
+        conn = connector.connect(self._url, application_name=LISTEN_APPLICATION_NAME)
         try:
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
         except BaseException:

@@ -26,7 +26,6 @@ from api.companies.schemas import (
 )
 from api.parser import Blueprint
 from db import api_keys, companies, workers
-from db.engine import driver_connection
 
 blp = Blueprint("companies", __name__, url_prefix="/companies", description="Tenants.")
 
@@ -48,18 +47,15 @@ class Companies(MethodView):
         """Create a company and return its API key (admin only)."""
         key = auth.new_api_key()
         # The company and its first key commit together.
-        with database.session_factory()() as session:
+        with database.transaction() as conn:
             company = companies.create_company(
-                session,
+                conn,
                 name=body["name"],
                 weight=body["weight"],
                 max_in_flight=body["max_in_flight"],
                 max_pending=body.get("max_pending", settings.current().default_max_pending),
             )
-            issued = api_keys.issue_key(
-                driver_connection(session), company.id, auth.hash_api_key(key)
-            )
-            session.commit()
+            issued = api_keys.issue_key(conn, company.id, auth.hash_api_key(key))
         return {
             "id": company.id,
             "name": company.name,
@@ -84,7 +80,7 @@ class CompanyById(MethodView):
     @blp.error(404, "No such company, or not yours.")
     def get(self, company_id: uuid.UUID) -> Any:
         """Read a company (its own key, or the admin token)."""
-        return companies.get_company(database.session(), company_id)
+        return companies.get_company(database.connection(), company_id)
 
     @blp.doc(operationId="update_company")
     @auth.admin_required
@@ -102,10 +98,7 @@ class CompanyById(MethodView):
     @blp.error(503, "ADMIN_TOKEN is not configured.")
     def patch(self, body: dict[str, Any], company_id: uuid.UUID) -> Any:
         """Set a company's weight, max_in_flight and/or max_pending (admin only)."""
-        session = database.session()
-        company = companies.update_company_limits(session, company_id, **body)
-        session.commit()
-        return company
+        return companies.update_company_limits(database.connection(), company_id, **body)
 
 
 @blp.route("/<uuid:company_id>/pause")
@@ -125,11 +118,9 @@ class CompanyPause(MethodView):
         already running finish; one retried or whose worker was lost waits. Pausing a paused
         company changes nothing.
         """
-        # Several statements that must commit together (db.companies.pause_company): not the
-        # request's session, whose statements each commit on their own.
-        with database.session_factory()() as session:
-            company = companies.pause_company(session, company_id)
-            session.commit()
+        # Several statements that must commit together (db.companies.pause_company).
+        with database.transaction() as conn:
+            company = companies.pause_company(conn, company_id)
         # Workers trust what they read of pauses this long: answered later, none starts a task.
         time.sleep(workers.PAUSE_SEEN_WITHIN_SECONDS)
         return company
@@ -152,14 +143,12 @@ class CompanyResume(MethodView):
         no catching up. Resuming a company that is not paused changes nothing.
         """
         # The update and the wake-up of idle workers (NOTIFY) commit together.
-        with database.session_factory()() as session:
-            company = companies.resume_company(
-                session,
+        with database.transaction() as conn:
+            return companies.resume_company(
+                conn,
                 company_id,
                 notify_channel=settings.current().notify_channel,
             )
-            session.commit()
-        return company
 
 
 def _issued(record: api_keys.ApiKeyRecord, key: str) -> dict[str, Any]:
@@ -197,10 +186,8 @@ class CompanyKeys(MethodView):
         new one, deploy it, then revoke the old one (or use .../rotate).
         """
         key = auth.new_api_key()
-        conn = database.connection()
-        with conn.transaction():
+        with database.transaction() as conn:
             record = api_keys.issue_key(conn, company_id, auth.hash_api_key(key), **body)
-        database.release()
         return _issued(record, key)
 
 
@@ -223,12 +210,10 @@ class CompanyKey(MethodView):
         (409: it would lock itself out); the admin token may.
         """
         principal: auth.Principal = g.fairq_principal
-        conn = database.connection()
-        with conn.transaction():
+        with database.transaction() as conn:
             record = api_keys.revoke_key(
                 conn, company_id, key_id, keep_one_active=not principal.is_admin
             )
-        database.release()
         auth.key_cache(current_app).clear()
         return record
 
@@ -254,10 +239,8 @@ class CompanyKeyRotate(MethodView):
         `replaces`. Both work during the overlap; revoke the old one sooner when done.
         """
         key = auth.new_api_key()
-        conn = database.connection()
-        with conn.transaction():
+        with database.transaction() as conn:
             old, new = api_keys.rotate_key(conn, company_id, key_id, auth.hash_api_key(key), **body)
-        database.release()
         # The old key's expiry moved: this process forgets what it remembered of it.
         auth.key_cache(current_app).clear()
         return {**_issued(new, key), "replaces": old}

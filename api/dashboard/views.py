@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
+import psycopg
 from flask import (
     Blueprint,
     Response,
@@ -37,7 +38,6 @@ from flask.typing import ResponseReturnValue
 from flask_smorest import abort
 from flask_wtf.csrf import generate_csrf
 from marshmallow import EXCLUDE, Schema, ValidationError
-from sqlalchemy.orm import Session
 
 from api import auth, database, errors, throttle
 from api import settings as api_settings
@@ -57,14 +57,12 @@ from db import (
     api_keys,
     companies,
     dashboard,
-    engine,
     queue,
     queue_health,
     statistics,
     tenant_stats,
     workers,
 )
-from db.engine import driver_connection
 from db.models import TaskStatus
 from worker import tasktypes
 
@@ -211,15 +209,15 @@ def after_dashboard_request(response: Response) -> Response:
 
 
 @contextlib.contextmanager
-def _reading() -> Iterator[Session]:
-    """A session in a transaction of its own, each statement under `STATS_TIMEOUT_MS`.
+def _reading() -> Iterator[psycopg.Connection[Any]]:
+    """The request's connection in a transaction, each statement under `STATS_TIMEOUT_MS`.
 
     A statement cancelled by the timeout is a 503 with `Retry-After`.
     """
     timeout_ms = _settings().stats_timeout_ms
-    with database.session_factory()() as reader, reader.begin():
+    with database.transaction() as reader:
         try:
-            with tenant_stats.time_limit(reader.connection(), timeout_ms):
+            with tenant_stats.time_limit(reader, timeout_ms):
                 yield reader
         except tenant_stats.StatisticsTimeout:
             log.warning("dashboard query cancelled after %s ms", timeout_ms)
@@ -321,15 +319,12 @@ def overview() -> ResponseReturnValue:
     """The queue at a glance: tasks by status, what holds the due work, the spiral's signs,
     the chart, lease holders, leading companies."""
     settings = _settings()
-    with _reading() as reader:
-        connection = reader.connection()
+    with _reading() as connection:
         stats = tenant_stats.queue_stats(connection, limits=settings.stats_limits, top=LEADERS)
         series = dashboard.finished_per_minute(connection)
         holders = dashboard.lease_holders(connection)
-        driver = engine.driver_connection(reader)
-        with engine.driver_errors("queue_health"):
-            waiting = queue_health.waiting(driver)
-            tables = queue_health.table_tuples(driver)
+        waiting = queue_health.waiting(connection)
+        tables = queue_health.table_tuples(connection)
         cleanup_held_seconds = statistics.oldest_xmin_holder_age(connection)
     chart = {
         "t": [minute.minute.timestamp() for minute in series.minutes],
@@ -360,7 +355,7 @@ def companies_list() -> ResponseReturnValue:
     sort = dashboard.CompanySort(args["sort"])
     with _reading() as reader:
         page = dashboard.list_companies(
-            reader.connection(),
+            reader,
             sort=sort,
             descending=args["order"] == "desc",
             search=args["q"],
@@ -400,11 +395,9 @@ def _company_page(
         abort(422, message=errors.validation_message(found), errors=found)
     with _reading() as reader:
         stored = companies.get_company(reader, company_id)
-        stats = tenant_stats.company_stats(
-            reader.connection(), company_id, limits=_settings().stats_limits
-        )
-        failures = dashboard.recent_failures(reader.connection(), company_id, limit=RECENT_FAILURES)
-        keys = api_keys.list_keys(driver_connection(reader), company_id)
+        stats = tenant_stats.company_stats(reader, company_id, limits=_settings().stats_limits)
+        failures = dashboard.recent_failures(reader, company_id, limit=RECENT_FAILURES)
+        keys = api_keys.list_keys(reader, company_id)
         tasks, has_more = queue.list_tasks(
             reader,
             company_id,
@@ -443,8 +436,8 @@ def task(company_id: uuid.UUID, task_id: uuid.UUID) -> ResponseReturnValue:
     """A task: payload, result, attempts, its timeline and last error."""
     with _reading() as reader:
         stored = companies.get_company(reader, company_id)
-        detail = dashboard.task_detail(reader.connection(), company_id, task_id)
-        now = reader.connection().exec_driver_sql("SELECT now()").scalar_one()
+        detail = dashboard.task_detail(reader, company_id, task_id)
+        now = dashboard.now(reader)
     record = detail.record
     return render_template(
         "dashboard/task.html",
@@ -488,11 +481,9 @@ def _first(moment: tuple[dt.datetime, str]) -> dt.datetime:
 @blp.post("/companies/<uuid:company_id>/pause")
 def pause(company_id: uuid.UUID) -> ResponseReturnValue:
     """Pause a company: once this answers, no worker starts another of its tasks."""
-    # Several statements that commit together (db.companies.pause_company): not the
-    # request's session, whose statements each commit on their own.
-    with database.session_factory()() as writer:
+    # Several statements that commit together (db.companies.pause_company).
+    with database.transaction() as writer:
         paused = companies.pause_company(writer, company_id)
-        writer.commit()
     # Workers trust what they read of pauses this long: answered later, none starts a task.
     time.sleep(workers.PAUSE_SEEN_WITHIN_SECONDS)
     flash(f"Paused {paused.name}: no worker starts its tasks now; running ones finish.")
@@ -502,11 +493,10 @@ def pause(company_id: uuid.UUID) -> ResponseReturnValue:
 @blp.post("/companies/<uuid:company_id>/resume")
 def resume(company_id: uuid.UUID) -> ResponseReturnValue:
     """Resume a paused company: its waiting tasks are claimed again, in their order."""
-    with database.session_factory()() as writer:
+    with database.transaction() as writer:
         resumed = companies.resume_company(
             writer, company_id, notify_channel=_settings().notify_channel
         )
-        writer.commit()
     flash(f"Resumed {resumed.name}: its tasks are claimed again.")
     return _back(url_for(".company", company_id=company_id))
 
@@ -519,15 +509,13 @@ def limits(company_id: uuid.UUID) -> ResponseReturnValue:
         return _company_page(company_id, limits_form=form, status=422)
     weight = form.weight.data
     assert isinstance(weight, int)  # InputRequired passed
-    writer = database.session()
     changed = companies.update_company_limits(
-        writer,
+        database.connection(),
         company_id,
         weight=weight,
         max_in_flight=form.max_in_flight.data,
         max_pending=form.max_pending.data,
     )
-    writer.commit()
     flash(f"Saved the limits of {changed.name}.")
     return _back(url_for(".company", company_id=company_id))
 
@@ -539,7 +527,7 @@ def _key_issued(
     so the secret is never kept in the session cookie for a flash message), sent `no-store`."""
     with _reading() as reader:
         stored = companies.get_company(reader, company_id)
-        now = reader.connection().exec_driver_sql("SELECT now()").scalar_one()
+        now = dashboard.now(reader)
     page = render_template(
         "dashboard/key_issued.html",
         company=stored,
@@ -559,14 +547,13 @@ def issue_key(company_id: uuid.UUID) -> ResponseReturnValue:
         return _company_page(company_id, issue_form=form, status=422)
     days = form.expires_in_days.data
     key = auth.new_api_key()
-    with database.session_factory()() as writer:
+    with database.transaction() as writer:
         record = api_keys.issue_key(
-            driver_connection(writer),
+            writer,
             company_id,
             auth.hash_api_key(key),
             expires_in_seconds=None if days is None else days * 86400,
         )
-        writer.commit()
     return _key_issued(company_id, key, record)
 
 
@@ -580,15 +567,14 @@ def rotate_key(company_id: uuid.UUID, key_id: uuid.UUID) -> ResponseReturnValue:
     hours = form.overlap_hours.data
     assert isinstance(hours, int)  # InputRequired passed
     key = auth.new_api_key()
-    with database.session_factory()() as writer:
+    with database.transaction() as writer:
         old, new = api_keys.rotate_key(
-            driver_connection(writer),
+            writer,
             company_id,
             key_id,
             auth.hash_api_key(key),
             overlap_seconds=hours * 3600,
         )
-        writer.commit()
     auth.key_cache(current_app).clear()
     return _key_issued(company_id, key, new, replaces=_until(old))
 
@@ -600,9 +586,8 @@ def _until(key: api_keys.ApiKeyRecord) -> str:
 @blp.post("/companies/<uuid:company_id>/keys/<uuid:key_id>/revoke")
 def revoke_key(company_id: uuid.UUID, key_id: uuid.UUID) -> ResponseReturnValue:
     """Revoke a key now: 401 at once on this process, within 5 s on the others."""
-    with database.session_factory()() as writer:
-        api_keys.revoke_key(driver_connection(writer), company_id, key_id, keep_one_active=False)
-        writer.commit()
+    with database.transaction() as writer:
+        api_keys.revoke_key(writer, company_id, key_id, keep_one_active=False)
     auth.key_cache(current_app).clear()
     flash(f"Revoked API key {key_id}.")
     return _back(url_for(".company", company_id=company_id) + "#keys-title")
@@ -611,9 +596,7 @@ def revoke_key(company_id: uuid.UUID, key_id: uuid.UUID) -> ResponseReturnValue:
 @blp.post("/companies/<uuid:company_id>/tasks/<uuid:task_id>/retry")
 def retry(company_id: uuid.UUID, task_id: uuid.UUID) -> ResponseReturnValue:
     """Retry a failed or cancelled task now, its attempts reset; 409 from another status."""
-    writer = database.session()
-    queue.retry_task(writer, company_id, task_id)
-    writer.commit()
+    queue.retry_task(database.connection(), company_id, task_id)
     flash(f"Task {task_id} is pending again, runnable now.")
     return _back(url_for(".task", company_id=company_id, task_id=task_id))
 
@@ -621,9 +604,7 @@ def retry(company_id: uuid.UUID, task_id: uuid.UUID) -> ResponseReturnValue:
 @blp.post("/companies/<uuid:company_id>/tasks/<uuid:task_id>/cancel")
 def cancel(company_id: uuid.UUID, task_id: uuid.UUID) -> ResponseReturnValue:
     """Cancel a pending task; 409 from another status."""
-    writer = database.session()
-    queue.cancel_task(writer, company_id, task_id)
-    writer.commit()
+    queue.cancel_task(database.connection(), company_id, task_id)
     flash(f"Task {task_id} is cancelled.")
     return _back(url_for(".task", company_id=company_id, task_id=task_id))
 

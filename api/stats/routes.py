@@ -1,6 +1,6 @@
 """/companies/{companyId}/stats and /stats: task statistics, each one `db.tenant_stats` call.
 
-Read in a transaction of their own (the request session commits statement by statement),
+Read in a transaction of their own (`database.transaction()`),
 under `STATS_TIMEOUT_MS` per statement: a statistics query that runs past it is a 503 saying
 so, with `Retry-After`, never a 500 and never a request that holds a connection for long.
 """
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import psycopg
 from flask import current_app
 from flask.views import MethodView
 from flask_smorest import abort
-from sqlalchemy import Connection
 
 from api import auth, database
 from api import settings as api_settings
@@ -33,11 +33,10 @@ RETRY_AFTER_SECONDS = 5
 TIMEOUT_DESCRIPTION = "A statistics query ran past STATS_TIMEOUT_MS; try again later."
 
 
-def _read(read: Callable[[Connection], T]) -> T:
+def _read(read: Callable[[psycopg.Connection[Any]], T]) -> T:
     """Run `read` in a transaction of its own under the statistics statement timeout."""
     settings = api_settings.current()
-    with database.session_factory()() as session, session.begin():
-        connection = session.connection()
+    with database.transaction() as connection:
         try:
             with tenant_stats.time_limit(connection, settings.stats_timeout_ms):
                 return read(connection)

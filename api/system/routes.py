@@ -7,11 +7,12 @@ from typing import Any
 from flask import current_app
 from flask.views import MethodView
 from marshmallow import Schema, fields
-from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from api import database, settings
 from api.parser import Blueprint
+from db import statistics
+from db.engine import driver_errors
 from worker import tasktypes
 
 # Probes answer whatever query string a load balancer adds.
@@ -67,9 +68,9 @@ class Ready(MethodView):
         try:
             # A fresh connection with a short connect timeout: a hung server is a 503 in
             # about two seconds, not after the views' five-second connect timeout.
-            with database.probe_engine().connect() as conn:
-                conn.execute(text(f"SET LOCAL statement_timeout = {int(timeout_ms)}"))
-                conn.execute(text("SELECT 1"))
+            with database.probe() as conn, driver_errors("ready"), conn.transaction():
+                statistics.limit_statement_time(conn, timeout_ms)
+                conn.execute("SELECT 1")
         except SQLAlchemyError as exc:
             current_app.logger.warning("readiness check failed: %s", exc.__class__.__name__)
             return {"status": "unavailable", "database": "unreachable"}, 503

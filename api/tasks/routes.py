@@ -126,7 +126,6 @@ class Tasks(MethodView):
             request_hash=request_hash(body) if key is not None else None,
             notify_channel=settings.current().notify_channel,
         )
-        database.release()
         location = url_for("tasks.TaskById", company_id=company_id, task_id=task.id)
         if created:
             return task_response(task), 201, {"Location": location}
@@ -248,17 +247,16 @@ class TaskBatches(MethodView):
             )
             for item in body["tasks"]
         ]
-        # A transaction, unlike the request's autocommit session: a key whose body differs
+        # A transaction, unlike the request's autocommit connection: a key whose body differs
         # can surface after the insert (a create that committed meanwhile), and then
         # nothing of the batch may stay.
-        with database.session_factory()() as session:
+        with database.transaction() as conn:
             results = queue.create_tasks(
-                session,
+                conn,
                 company_id=company_id,
                 tasks=items,
                 notify_channel=settings.current().notify_channel,
             )
-            session.commit()
         answer = {
             "items": [{**task._asdict(), "replayed": not created} for task, created in results]
         }
@@ -295,10 +293,7 @@ class TaskCancel(MethodView):
     @blp.error(409, "The task is not pending.")
     def post(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Any:
         """Cancel a pending task."""
-        session = database.session()
-        task = queue.cancel_task(session, company_id, task_id)
-        session.commit()
-        return task
+        return queue.cancel_task(database.connection(), company_id, task_id)
 
 
 @blp.route("/tasks/<uuid:task_id>/retry")
@@ -315,7 +310,4 @@ class TaskRetry(MethodView):
     @blp.alt_response(429, **_BACKLOG_FULL)
     def post(self, company_id: uuid.UUID, task_id: uuid.UUID) -> Any:
         """Retry a failed or cancelled task now, with its attempts reset."""
-        session = database.session()
-        task = queue.retry_task(session, company_id, task_id)
-        session.commit()
-        return task
+        return queue.retry_task(database.connection(), company_id, task_id)

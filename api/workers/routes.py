@@ -63,7 +63,7 @@ class Process(MethodView):
         """Claim, run and finalize one batch of tasks in this process (admin only)."""
         settings = api_settings.current()
         return processing.run_pass(
-            database.session_factory(),
+            database.connection(),
             # One holder per request (its `workers` row): concurrent passes of this process
             # must not delete each other's.
             worker_id=f"{socket.gethostname()}:{os.getpid()}:api-{secrets.token_hex(3)}",

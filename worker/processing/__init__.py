@@ -23,7 +23,7 @@ The pieces, each in its module:
 - `runners`: the threads that run handlers beside the pass's own (`WORKER_THREADS`);
 - `unwritten`: outcomes a database error kept from being written, for the next pass;
 - `sweep`: taking back the leases of dead workers, and how often;
-- `database`: the pass's sessions and connection, its writes one thread at a time;
+- `database`: the pass's connection, its writes one thread at a time;
 - `observer`, `result`: what a pass reports (metrics) and returns;
 - `task_log`: its log lines, one per task transition.
 

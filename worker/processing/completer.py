@@ -16,8 +16,6 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, Protocol
 
-from sqlalchemy.orm import Session
-
 from db import queue
 from worker.processing import outcome, task_log
 from worker.processing.database import PassDatabase
@@ -53,7 +51,7 @@ class Completer(Protocol):
     ) -> None:
         """`task`'s handler returned after `seconds`, with `result` (JSON text, or None)."""
 
-    def flush(self, session: Session, *, force: bool) -> None:
+    def flush(self, *, force: bool) -> None:
         """Write the completions that are due (all if `force`); on an error keep them, raise."""
 
     def keep(self, completions: Iterable[Completion]) -> None:
@@ -114,7 +112,7 @@ class BatchCompleter:
             taken, self._items = self._items, []
         return taken
 
-    def flush(self, session: Session, *, force: bool) -> None:
+    def flush(self, *, force: bool) -> None:
         """Write buffered completions in one fenced statement: all, or if not `force` those due.
 
         On an error they go back to the front of the buffer for the next flush, and the
@@ -127,9 +125,7 @@ class BatchCompleter:
         # Results only when some handler returned one: else the statement without them.
         results = [d.result for d in done] if any(d.result is not None for d in done) else None
         try:
-            completed = self._db.write(
-                session, lambda: queue.complete_tasks(session, leases, results)
-            )
+            completed = self._db.write(lambda conn: queue.complete_tasks(conn, leases, results))
         except BaseException:
             with self._lock:
                 self._items[:0] = done  # they stay oldest

@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from sqlalchemy.orm import Session
-
 from db import queue
 from worker.processing import outcome, task_log
 from worker.processing.database import PassDatabase
@@ -38,7 +36,6 @@ class Finalizer:
 
     def settle(
         self,
-        session: Session,
         task: queue.ClaimedTask,
         decision: outcome.Retry | outcome.Fail,
         *,
@@ -52,15 +49,23 @@ class Finalizer:
         if isinstance(decision, outcome.Retry):
             retry = decision
             matched = self.db.write(
-                session,
-                lambda: queue.schedule_retry(
-                    session, task.id, task.lease_token, delay_seconds=retry.delay, error=retry.error
+                lambda conn: queue.schedule_retry(
+                    conn,
+                    task.id,
+                    task.lease_token,
+                    delay_seconds=retry.delay,
+                    error=retry.error,
                 ),
             )
         else:
             error = decision.error
             matched = self.db.write(
-                session, lambda: queue.fail_task(session, task.id, task.lease_token, error=error)
+                lambda conn: queue.fail_task(
+                    conn,
+                    task.id,
+                    task.lease_token,
+                    error=error,
+                ),
             )
         self.leases.let_go([task.id])
         match outcome.written(decision, matched=matched):
@@ -84,7 +89,7 @@ class Finalizer:
         self.counter.add(count)
         observe(task.type, seconds)
 
-    def release(self, session: Session, tasks: Sequence[queue.ClaimedTask]) -> None:
+    def release(self, tasks: Sequence[queue.ClaimedTask]) -> None:
         """Hand back `tasks`, whose handlers never started, with their attempt (design §4).
 
         Fenced: a task whose lease was taken back is reported lost.
@@ -93,7 +98,7 @@ class Finalizer:
         if not mine:
             return
         released = self.db.write(
-            session, lambda: queue.release_tasks(session, [t.lease for t in mine])
+            lambda conn: queue.release_tasks(conn, [t.lease for t in mine]),
         )
         self.leases.let_go(task.id for task in mine)
         self.counter.add(PassResult(released=len(released)))

@@ -14,8 +14,6 @@ import threading
 import time
 from typing import Protocol
 
-from sqlalchemy.orm import Session
-
 from common import logging as fairq_logging
 from db import engine as db_engine
 from worker.processing.task_log import log
@@ -34,20 +32,16 @@ class KeptPass(Protocol):
         """Seconds between two beats of the pass's own holder."""
         ...
 
-    def new_session(self) -> Session:
-        """A session of the pass's database for the keeper's calls."""
-        ...
-
-    def heartbeat(self, session: Session) -> None:
+    def heartbeat(self) -> None:
         """Beat the pass's own holder, if it has one."""
 
-    def flush_due_completions(self, session: Session) -> None:
+    def flush_due_completions(self) -> None:
         """Write the completions that have waited long enough."""
 
-    def write_overruns(self, session: Session) -> None:
+    def write_overruns(self) -> None:
         """Write the timeout outcome of each handler past its deadline and the grace."""
 
-    def refresh_pauses(self, session: Session) -> None:
+    def refresh_pauses(self) -> None:
         """Read again which of the batch's companies are paused, once the last read ages."""
 
 
@@ -65,7 +59,6 @@ class LeaseKeeper:
         # `detach` waits for the database call in flight, if any.
         self._lock = threading.Condition()
         self._owner: KeptPass | None = None
-        self._session: Session | None = None
         self._next_beat = 0.0
         self._closed = False
         self._quiet_until = 0.0  # time.monotonic() before which transient errors are counted
@@ -86,9 +79,6 @@ class LeaseKeeper:
         """Stop working for the attached pass; return once no call for it is in flight."""
         with self._lock:
             self._owner = None
-            if self._session is not None:
-                self._session.close()
-                self._session = None
 
     def close(self) -> None:
         """Stop and wait for the thread."""
@@ -110,14 +100,12 @@ class LeaseKeeper:
     def _tick(self, owner: KeptPass) -> None:
         # Whatever fails, the thread goes on: it serves every later pass of the child too.
         try:
-            if self._session is None:
-                self._session = owner.new_session()
-            owner.write_overruns(self._session)
+            owner.write_overruns()
             if time.monotonic() >= self._next_beat:
                 self._next_beat = time.monotonic() + owner.heartbeat_interval
-                owner.heartbeat(self._session)
-            owner.flush_due_completions(self._session)
-            owner.refresh_pauses(self._session)
+                owner.heartbeat()
+            owner.flush_due_completions()
+            owner.refresh_pauses()
             # Lines of a pass of slow tasks must not wait for the end of the pass.
             fairq_logging.write_due()
         except Exception as exc:

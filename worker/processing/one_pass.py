@@ -17,18 +17,15 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-import psycopg
 from marshmallow import ValidationError
-from sqlalchemy.orm import Session
 
 from common import logging as fairq_logging
 from db import queue
-from db.engine import driver_connection, driver_errors
 from worker import backoff, tasktypes
 from worker.errors import PermanentTaskError
 from worker.processing import database, outcome, sweep, task_log, task_result, timeouts
 from worker.processing.completer import BatchCompleter, Completer, Completion
-from worker.processing.database import PassDatabase, SessionSource
+from worker.processing.database import ConnectionSource, PassDatabase
 from worker.processing.finalize import Finalizer
 from worker.processing.held_leases import HeldLeases
 from worker.processing.holder import Holder
@@ -71,7 +68,7 @@ class _Hand:
 
 
 def run_pass(
-    sessions: SessionSource,
+    source: ConnectionSource,
     *,
     worker_id: str,
     settings: PassSettings | None = None,
@@ -87,12 +84,12 @@ def run_pass(
 ) -> PassResult:
     """Run one pass: sweep, claim up to `settings.batch_size` tasks, run and finalize each.
 
-    `sessions` is a session factory, or an engine: then the pass holds one of its connections
-    throughout and writes single statements in autocommit (`database`). `worker_id` is stored
-    in `locked_by` (`host:pid`). The sweep runs when `sweep_schedule` says it is due, or every
-    pass without one. `stop` is checked before the claim and before each task: once set, no
-    task starts, the running ones finish, the unstarted rest of the batch is released
-    (design §4 Release) and the pass returns. A handler's `Exception` never escapes:
+    `source` is a pool, whose connection the pass holds throughout, or a connection (the
+    API's); the pass writes single statements on it, in autocommit (`database`). `worker_id`
+    is stored in `locked_by` (`host:pid:nonce`). The sweep runs when `sweep_schedule` says it
+    is due, or every pass without one. `stop` is checked before the claim and before each
+    task: once set, no task starts, the running ones finish, the unstarted rest of the batch
+    is released (design §4 Release) and the pass returns. A handler's `Exception` never escapes:
     `outcome.decide` completes, retries or fails the task. A `BaseException`
     (KeyboardInterrupt, SystemExit) propagates once the running handlers returned, after
     the pass writes its completions and releases the unstarted rest; the interrupted task
@@ -125,7 +122,7 @@ def run_pass(
     `worker_id` itself (`workers` row), its lease keeper beats it every
     `settings.effective_heartbeat_interval`, and the pass deletes the row at its end.
     """
-    with fairq_logging.batched(), database.opened(sessions) as db:
+    with fairq_logging.batched(), database.opened(source) as db:
         return ProcessingPass(
             db,
             worker_id=worker_id,
@@ -143,7 +140,7 @@ def run_pass(
 
 
 def write_unwritten(
-    sessions: SessionSource, unwritten: UnwrittenOutcomes, *, observer: PassObserver | None = None
+    source: ConnectionSource, unwritten: UnwrittenOutcomes, *, observer: PassObserver | None = None
 ) -> PassResult:
     """Write what `unwritten` holds (completions, releases), claiming nothing; return the counts.
 
@@ -152,7 +149,7 @@ def write_unwritten(
     """
     if not unwritten:
         return PassResult()
-    with fairq_logging.batched(), database.opened(sessions) as db:
+    with fairq_logging.batched(), database.opened(source) as db:
         state = ProcessingPass(
             db,
             worker_id="",
@@ -162,8 +159,7 @@ def write_unwritten(
             rng=None,
             unwritten=unwritten,
         )
-        with db.session() as session:
-            state.write_unwritten(session)
+        state.write_unwritten()
         return state.counter.result()
 
 
@@ -244,26 +240,22 @@ class ProcessingPass:
 
     # -- for the lease keeper (`lease_keeper.KeptPass`) -----------------------------------
 
-    def new_session(self) -> Session:
-        """A session of the pass's database."""
-        return self.db.session()
-
-    def heartbeat(self, session: Session) -> None:
+    def heartbeat(self) -> None:
         """Beat the pass's own holder (a given holder is beaten by its owner)."""
         if self._own_holder and self.holder is not None:
             self.holder.beat()
 
-    def flush_due_completions(self, session: Session) -> None:
+    def flush_due_completions(self) -> None:
         """Write the completions that have waited long enough."""
-        self.completer.flush(session, force=False)
+        self.completer.flush(force=False)
 
-    def refresh_pauses(self, session: Session) -> None:
+    def refresh_pauses(self) -> None:
         """Read again which of the batch's companies are paused, once the last read ages;
         hand back the unstarted tasks of those that are."""
-        self.pauses.refresh(self.db, session)
-        self._hand_back_paused(session)
+        self.pauses.refresh(self.db)
+        self._hand_back_paused()
 
-    def _hand_back_paused(self, session: Session) -> None:
+    def _hand_back_paused(self) -> None:
         """Release, attempt not counted, the unstarted tasks of the companies seen paused.
 
         From any thread: a task popped here is never started by a runner, which pops it
@@ -278,12 +270,12 @@ class ProcessingPass:
         if not taken:
             return
         try:
-            self.finalizer.release(session, taken)
+            self.finalizer.release(taken)
         except BaseException:
             self._unstarted.update((t.id, t) for t in taken)
             raise
 
-    def write_overruns(self, session: Session) -> None:
+    def write_overruns(self) -> None:
         """Write the timeout outcome of each handler past its deadline and the grace."""
         now = time.monotonic()  # read before `running`: see `_returned`
         for hand in self._hands:
@@ -294,11 +286,11 @@ class ProcessingPass:
                 if hand.running is not armed:
                     continue  # it returned meanwhile: its own thread writes its outcome
                 hand.overran = True
-            self._write_overrun(session, timeouts.Running(*armed[:3]))
+            self._write_overrun(timeouts.Running(*armed[:3]))
         if self._overruns and not self._reported:
-            self._report_overrun(session)
+            self._report_overrun()
 
-    def _write_overrun(self, session: Session, running: timeouts.Running) -> None:
+    def _write_overrun(self, running: timeouts.Running) -> None:
         """Write what the pass owes, a handler past its deadline and the grace still running.
 
         In the lease keeper's thread; that handler's thread is in it, or skips its outcome
@@ -325,9 +317,9 @@ class ProcessingPass:
                 max_attempts=task.max_attempts,
                 backoff=self._backoff,
             )
-            self.finalizer.settle(session, task, decision, seconds=ran)
-            self.completer.flush(session, force=True)
-            self.finalizer.release(session, unstarted)
+            self.finalizer.settle(task, decision, seconds=ran)
+            self.completer.flush(force=True)
+            self.finalizer.release(unstarted)
             unstarted = []
         except Exception as exc:
             # Left for the pass's thread, should the handler return (completions stay
@@ -342,9 +334,9 @@ class ProcessingPass:
         finally:
             self._overruns.append(timeouts.Overrun(task, running.timeout, ran))
             self._overrun_written.set()
-        self._report_overrun(session)
+        self._report_overrun()
 
-    def _report_overrun(self, session: Session) -> None:
+    def _report_overrun(self) -> None:
         """Tell `on_overrun` of the first handler that overran, once no other one runs.
 
         In the lease keeper's thread, which meanwhile goes on watching the other handlers'
@@ -356,11 +348,11 @@ class ProcessingPass:
         self._reported = True
         first = self._overruns[0]
         try:
-            self.completer.flush(session, force=True)
+            self.completer.flush(force=True)
             if not self.leases and self.holder is not None:
                 # Every lease of the batch written or released: the holder has none left,
                 # and the process that exits next need not wait for the sweep.
-                self.holder.deregister(write=lambda statement: self._write_on(session, statement))
+                self.holder.deregister(write=self.db.write)
         except Exception as exc:
             log.warning(
                 "could not write the last completions of the pass whose task %s overran "
@@ -375,43 +367,42 @@ class ProcessingPass:
 
     def run(self) -> PassResult:
         """Run the pass; return what it did."""
-        with self.db.session() as session:
-            # Before the claim: a task whose completion is unwritten is never claimed again.
-            self.write_unwritten(session)
-            if self.sweep_schedule is None or self.sweep_schedule.due():
-                sweep.sweep_dead_workers(
-                    self.db, session,
-                    stale_after=self.settings.stale_after, schedule=self.sweep_schedule,
-                    counter=self.counter, observer=self.observer,
-                )  # fmt: skip
-            if self.stop():
-                return self.counter.result()
-            batch, leases = self._claim(session)
-            if not batch:
-                return self.counter.result()
-            if self.holder is None:
-                self._register_own_holder()
-            keeper = self.keeper or LeaseKeeper()
-            keeper.attach(self)
-            try:
-                self._run_batch(session, batch, leases)
-            except BaseException:
-                self._detach(keeper)
-                # The error in flight matters more than a second one from the database.
-                with contextlib.suppress(Exception):
-                    self._finish(session)
-                    self._deregister_own_holder()
-                raise
+        # Before the claim: a task whose completion is unwritten is never claimed again.
+        self.write_unwritten()
+        if self.sweep_schedule is None or self.sweep_schedule.due():
+            sweep.sweep_dead_workers(
+                self.db,
+                stale_after=self.settings.stale_after, schedule=self.sweep_schedule,
+                counter=self.counter, observer=self.observer,
+            )  # fmt: skip
+        if self.stop():
+            return self.counter.result()
+        batch, leases = self._claim()
+        if not batch:
+            return self.counter.result()
+        if self.holder is None:
+            self._register_own_holder()
+        keeper = self.keeper or LeaseKeeper()
+        keeper.attach(self)
+        try:
+            self._run_batch(batch, leases)
+        except BaseException:
             self._detach(keeper)
-            self._finish(session)
-            self._deregister_own_holder()
+            # The error in flight matters more than a second one from the database.
+            with contextlib.suppress(Exception):
+                self._finish()
+                self._deregister_own_holder()
+            raise
+        self._detach(keeper)
+        self._finish()
+        self._deregister_own_holder()
         return self.counter.result()
 
     def _register_own_holder(self) -> None:
         # After the claim: a sweep finds its leases with no holder row, but younger than the
         # stale window, and leaves them.
         self.holder = Holder(
-            self.worker_id, host=socket.gethostname(), pid=os.getpid(), write=self._write_own
+            self.worker_id, host=socket.gethostname(), pid=os.getpid(), write=self.db.write
         )
         self._own_holder = True
         self.holder.register()
@@ -423,26 +414,12 @@ class ProcessingPass:
         if self._own_holder and self.holder is not None and not self.unwritten:
             self.holder.deregister()
 
-    def _write_own(self, statement: Callable[[psycopg.Connection[Any]], T]) -> T:
-        """Run `statement` on the pass's database, committed (the own holder's writes)."""
-        with self.db.session() as session:
-            return self._write_on(session, statement)
-
-    def _write_on(self, session: Session, statement: Callable[[psycopg.Connection[Any]], T]) -> T:
-        """Run `statement` on `session`'s connection, committed."""
-
-        def sent() -> T:
-            with driver_errors("workers"):
-                return statement(driver_connection(session, transaction=False))
-
-        return self.db.write(session, sent)
-
     def _detach(self, keeper: LeaseKeeper) -> None:
         keeper.detach()
         if keeper is not self.keeper:  # started for this pass
             keeper.close()
 
-    def write_unwritten(self, session: Session) -> None:
+    def write_unwritten(self) -> None:
         """Write what earlier passes left unwritten; raise, keeping it, on failure."""
         if not self.unwritten:
             return
@@ -457,9 +434,9 @@ class ProcessingPass:
             extra={"event": "tasks.owed", "completions": len(completions),
                    "releases": len(releases)},
         )  # fmt: skip
-        self._finish(session)
+        self._finish()
 
-    def _finish(self, session: Session) -> None:
+    def _finish(self) -> None:
         """Write every buffered completion and release every unstarted task.
 
         No handler starts after it. On a database error what is still unwritten goes to
@@ -467,8 +444,8 @@ class ProcessingPass:
         """
         unstarted = self._take_unstarted()
         try:
-            self.completer.flush(session, force=True)
-            self.finalizer.release(session, unstarted)
+            self.completer.flush(force=True)
+            self.finalizer.release(unstarted)
         except BaseException as exc:
             completions = self.completer.take()
             unstarted = [t for t in unstarted if self.leases.holds(t.id)]
@@ -495,7 +472,7 @@ class ProcessingPass:
             extra={"event": "tasks.owed_dropped", **counts},
         )  # fmt: skip
 
-    def _claim(self, session: Session) -> tuple[list[queue.ClaimedTask], list[queue.Lease]]:
+    def _claim(self) -> tuple[list[queue.ClaimedTask], list[queue.Lease]]:
         """Claim a batch and hold its leases; return the batch and its leases, in order."""
         # Taken before the statement: the leases' locked_at (its statement_timestamp()) is no
         # earlier.
@@ -505,9 +482,8 @@ class ProcessingPass:
         # written again on a lost connection: a claim that did commit would leave its batch
         # to lease expiry and claim another.
         batch = self.db.write(
-            session,
-            lambda: queue.claim(
-                session, worker_id=self.worker_id, batch_size=self.settings.batch_size
+            lambda conn: queue.claim(
+                conn, worker_id=self.worker_id, batch_size=self.settings.batch_size
             ),
             retry=False,
         )
@@ -528,9 +504,7 @@ class ProcessingPass:
             )  # fmt: skip
         return batch, leases
 
-    def _run_batch(
-        self, session: Session, batch: Sequence[queue.ClaimedTask], leases: Sequence[queue.Lease]
-    ) -> None:
+    def _run_batch(self, batch: Sequence[queue.ClaimedTask], leases: Sequence[queue.Lease]) -> None:
         """Run the batch's tasks in claim order, up to `settings.threads` at once.
 
         Until every task ran or the pass stops. Whatever ends it (the stop flag;
@@ -547,21 +521,20 @@ class ProcessingPass:
         if self.runners is not None:
             helpers = min(helpers, self.runners.size)
         if helpers <= 0:
-            self._run_tasks(session, tasks)
+            self._run_tasks(tasks)
             return
         runners = self.runners or Runners(helpers)
         try:
-            runners.run(lambda: self._run_tasks(session, tasks), lambda: self._help(tasks), helpers)
+            runners.run(lambda: self._run_tasks(tasks), lambda: self._help(tasks), helpers)
         finally:
             if runners is not self.runners:  # started for this pass
                 runners.close()
 
     def _help(self, tasks: _Batch) -> None:
-        """`_run_tasks` on a runner thread, with a session of its own."""
-        with self.db.session() as session:
-            self._run_tasks(session, tasks)
+        """`_run_tasks` on a runner thread."""
+        self._run_tasks(tasks)
 
-    def _run_tasks(self, session: Session, tasks: _Batch) -> None:
+    def _run_tasks(self, tasks: _Batch) -> None:
         """Take the batch's next task and run it, until none is left or no task may start.
 
         On the calling thread; `tasks` is shared with the pass's other runners, if any (a
@@ -582,12 +555,12 @@ class ProcessingPass:
                     # those still ours, and reports the others lost.
                     self._closed = True
                     return
-                if self.pauses.paused(task.company_id, self.db, session):
-                    self._hand_back_paused(session)  # its company was paused since the claim
+                if self.pauses.paused(task.company_id, self.db):
+                    self._hand_back_paused()  # its company was paused since the claim
                     continue
                 task_type = tasktypes.get(task.type)
                 if task_type is None:
-                    self._fail_unknown_type(session, task)
+                    self._fail_unknown_type(task)
                     continue
                 # Busy before the task is ours: `_report_overrun`, which reads it after taking
                 # every unstarted task, then counts this one as running if it may be.
@@ -596,7 +569,7 @@ class ProcessingPass:
                     if self._unstarted.pop(task.id, None) is None:
                         return  # handed back by `_write_overrun` meanwhile
                     # From here on the task may have side effects: never released.
-                    self._run_one(session, task, lease, task_type, hand)
+                    self._run_one(task, lease, task_type, hand)
                 finally:
                     hand.busy = False
         except BaseException:
@@ -618,13 +591,13 @@ class ProcessingPass:
                 taken.reverse()  # popitem takes the last first: back in claim order
                 return taken
 
-    def _fail_unknown_type(self, session: Session, task: queue.ClaimedTask) -> None:
+    def _fail_unknown_type(self, task: queue.ClaimedTask) -> None:
         """Fail `task`, of a type no handler is registered for, unless handed back already."""
         if self._unstarted.pop(task.id, None) is None:
             return  # handed back by `_write_overrun` meanwhile
         failed = outcome.unknown_type(task.type, tasktypes.names())
         try:
-            self.finalizer.settle(session, task, failed, seconds=None)
+            self.finalizer.settle(task, failed, seconds=None)
         except BaseException:
             # Still unstarted while the write may fail: then it is released, not stranded.
             self._unstarted[task.id] = task
@@ -646,7 +619,6 @@ class ProcessingPass:
 
     def _run_one(
         self,
-        session: Session,
         task: queue.ClaimedTask,
         lease: queue.Lease,
         task_type: TaskType,
@@ -684,10 +656,10 @@ class ProcessingPass:
             if returned is None:
                 self.completer.complete(task, lease, seconds, None)
             else:
-                self._complete_with_result(session, task, lease, returned, seconds)
+                self._complete_with_result(task, lease, returned, seconds)
             return
         self._finalize_failure(
-            session, timeouts.Running(task, timeout, started), raised=raised, seconds=seconds
+            timeouts.Running(task, timeout, started), raised=raised, seconds=seconds
         )
 
     @staticmethod
@@ -706,7 +678,6 @@ class ProcessingPass:
 
     def _complete_with_result(
         self,
-        session: Session,
         task: queue.ClaimedTask,
         lease: queue.Lease,
         returned: JsonValue,
@@ -715,15 +686,12 @@ class ProcessingPass:
         try:
             result = task_result.encode(returned)
         except task_result.UnstorableResult as exc:
-            self.finalizer.settle(
-                session, task, outcome.unstorable_result(str(exc)), seconds=seconds
-            )
+            self.finalizer.settle(task, outcome.unstorable_result(str(exc)), seconds=seconds)
             return
         self.completer.complete(task, lease, seconds, result)
 
     def _finalize_failure(
         self,
-        session: Session,
         running: timeouts.Running,
         *,
         raised: Exception,
@@ -742,13 +710,13 @@ class ProcessingPass:
                 max_attempts=task.max_attempts,
                 backoff=self._backoff,
             )
-            self.finalizer.settle(session, task, decision, seconds=seconds, exc=raised)
+            self.finalizer.settle(task, decision, seconds=seconds, exc=raised)
             return
         failed = outcome.decide(
             raised, attempt=task.attempts, max_attempts=task.max_attempts, backoff=self._backoff
         )
         assert not isinstance(failed, outcome.Complete)
-        self.finalizer.settle(session, task, failed, seconds=seconds, exc=raised)
+        self.finalizer.settle(task, failed, seconds=seconds, exc=raised)
 
     def _backoff(self, attempt: int) -> float:
         return backoff.delay(attempt, rng=self.rng)

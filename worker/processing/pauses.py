@@ -15,10 +15,7 @@ import time
 import uuid
 from collections.abc import Iterable
 
-from sqlalchemy.orm import Session
-
 from db import workers
-from db.engine import driver_connection, driver_errors
 from worker.processing.database import PassDatabase
 
 # A read is trusted this long: a fifth of the pause's wait is left for the moments between a
@@ -59,31 +56,27 @@ class BatchPauses:
         """The batch's companies the last read found paused."""
         return self._seen[0]
 
-    def refresh(self, db: PassDatabase, session: Session) -> None:
+    def refresh(self, db: PassDatabase) -> None:
         """For the lease keeper: read again if the last read is `REFRESH_AFTER_SECONDS` old."""
         if self._companies:
-            self._read_if_older(REFRESH_AFTER_SECONDS, db, session)
+            self._read_if_older(REFRESH_AFTER_SECONDS, db)
 
-    def _read_if_older(self, age: float, db: PassDatabase, session: Session) -> None:
+    def _read_if_older(self, age: float, db: PassDatabase) -> None:
         """Read which of the batch's companies are paused now, unless another thread just did."""
         with self._lock:
             sent_at = time.monotonic()
             if sent_at - self._seen[1] < age:
                 return
+            companies = self._companies
+            paused = db.write(lambda conn: workers.paused_companies(conn, companies))
+            self._seen = (frozenset(paused), sent_at)
 
-            def statement() -> set[uuid.UUID]:
-                with driver_errors("paused_companies"):
-                    conn = driver_connection(session, transaction=False)
-                    return workers.paused_companies(conn, self._companies)
-
-            self._seen = (frozenset(db.write(session, statement)), sent_at)
-
-    def paused(self, company_id: uuid.UUID, db: PassDatabase, session: Session) -> bool:
+    def paused(self, company_id: uuid.UUID, db: PassDatabase) -> bool:
         """Whether a task of `company_id` must not start: its company is paused.
 
         Reads first if the last read is older than `TRUSTED_FOR_SECONDS`; a database error
         propagates (the task is then not started).
         """
         if time.monotonic() - self._seen[1] >= TRUSTED_FOR_SECONDS:
-            self._read_if_older(TRUSTED_FOR_SECONDS, db, session)
+            self._read_if_older(TRUSTED_FOR_SECONDS, db)
         return company_id in self._seen[0]

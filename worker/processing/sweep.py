@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy.orm import Session
-
 from db import workers
-from db.engine import driver_connection, driver_errors
 from worker.processing import task_log
 from worker.processing.database import PassDatabase
 from worker.processing.observer import PassObserver
@@ -53,7 +50,6 @@ class SweepSchedule:
 
 def sweep_dead_workers(
     db: PassDatabase,
-    session: Session,
     *,
     stale_after: float,
     schedule: SweepSchedule | None,
@@ -61,13 +57,9 @@ def sweep_dead_workers(
     observer: PassObserver,
 ) -> None:
     """Take back the leases of workers silent for `stale_after` seconds; fail the poison pills."""
-
-    def take_back() -> list[workers.TakenBack]:
-        with driver_errors("take_back_leases"):
-            conn = driver_connection(session, transaction=False)
-            return workers.take_back_leases(conn, stale_after=stale_after, limit=SWEEP_LIMIT)
-
-    expired = db.write(session, take_back)
+    expired = db.write(
+        lambda conn: workers.take_back_leases(conn, stale_after=stale_after, limit=SWEEP_LIMIT)
+    )
     # A full sweep may have left more behind (a mass crash): sweep again next pass.
     if schedule is not None and len(expired) < SWEEP_LIMIT:
         schedule.swept()
