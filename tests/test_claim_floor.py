@@ -208,9 +208,8 @@ def test_a_completion_finds_its_leases_by_id_not_through_a_processing_index(
     filtered it by id: a scan that grew with every task finished while a snapshot was held."""
     company = insert_company(fresh_engine).id
     insert_tasks(fresh_engine, company, 300)
-    queue.complete_tasks(
-        driver_connection(session, transaction=False), [t.lease for t in claim(session, 100)]
-    )
+    first = [t.lease for t in claim(session, 100)]
+    queue.complete_tasks(driver_connection(session, transaction=False), first)
     session.commit()
     leases = [t.lease for t in claim(session, 100)]
     session.execute(text("ANALYZE tasks"))
