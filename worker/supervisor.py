@@ -1,49 +1,24 @@
 """The worker supervisor (design §5): forks children and keeps the right number alive.
 
-Modelled on gunicorn's arbiter. One cohesive thing, the arbiter's loop and the state it
-keeps (children, signals, backoff, hung-child checks), kept in one module as gunicorn keeps
-its `arbiter.py`. One single-threaded loop:
+Modelled on gunicorn's arbiter: one single-threaded loop. Signal handlers only record
+(`signal.set_wakeup_fd` writes each signal's number into a pipe that wakes the loop's
+`poll()`); the loop dispatches them to `handle_term` ... `handle_chld`, reaps
+(`waitpid(-1, WNOHANG)`), kills overdue and hung children, and runs `reconcile()`, the one
+idempotent step that spawns missing children and retires the oldest surplus ones. The same
+`poll()` reads each child's status pipe (`worker.child_process`). The metrics port is served
+by a side process, the exporter (`worker.exporter`, decision 0004), kept running like a child.
 
-- Signal handlers only record: `signal.set_wakeup_fd` makes the C-level handler write each
-  signal number into a non-blocking pipe, which is what wakes the loop's `poll()`; the Python
-  handler itself does nothing. The loop reads the numbers back and dispatches, in order, to
-  `handle_term`, `handle_int`, `handle_quit`, `handle_ttin`, `handle_ttou`, `handle_hup`
-  and `handle_chld`. No work ever happens inside a handler.
-- Then it reaps (`waitpid(-1, WNOHANG)` until nothing is left), kills retired children that
-  outlived `shutdown_timeout` and hung children (`kill_hung`), and runs `reconcile()`, the
-  one idempotent step that spawns missing children and retires the oldest surplus ones.
-- The same `poll()` reads each child's status pipe, on which a child reports that it booted
-  or why it could not. The metrics port is served by a side process, the exporter
-  (`worker.exporter`, decision 0004), which the loop keeps running as it keeps children.
+A child whose handler overran its deadline writes what it owed, names the task on its status
+pipe and exits `child.HANDLER_STUCK`: logged, counted as a restart, replaced (decision 0013).
+A hung child (silent on its alive pipe for `child_timeout`, measured on the monotonic clock)
+is killed with SIGKILL, counted in `timeouts` and replaced; its tasks go back through the
+sweep once its `workers` row is stale (decision 0010).
 
-A child whose handler overran its task's deadline exits with `child.HANDLER_STUCK` after
-writing what it owed (that task's timeout, its siblings' outcomes, the release of the rest)
-and deleting its `workers` row, having named the task on its status pipe: it is logged,
-counted as a restart, and replaced, as gunicorn replaces a worker past its timeout
-(decision 0013). A child that cannot even do that has stopped its alive signal too: a hung
-child, below.
-
-Hung children (gunicorn's worker timeout, design §5): each child has a second pipe on which
-a thread of its own writes a byte every second while the child is alive
-(`liveness.AliveSignal`). The loop reads it without waiting on it (no wake-up per byte); a
-child silent for `child_timeout` is killed with SIGKILL, counted in `timeouts` and replaced.
-The same thread beats the child's `workers` row; the tasks of a child that died go back to
-the queue once that row is older than the stale window (the sweep). The monotonic clock of
-the supervisor measures the silence: no file times, so a step of the wall clock neither
-kills nor hides a child.
-
-Signals: TERM and INT stop gracefully (TERM to every child, reap every 100 ms for up to
-`shutdown_timeout`, then KILL what is left); QUIT is the same with a one-second grace
-(`QUICK_SHUTDOWN_SECONDS`) so children can still hand back unstarted tasks; a QUIT during a
-graceful stop shortens it the same way. TTIN/TTOU add or remove one child (never below one,
-never above `max_concurrency`; the oldest is retired with TERM). HUP replaces every child,
-one at a time, each old child retired only once its replacement has booted.
-
-A child that cannot boot (the database refuses another connection, ...) is retried with
-backoff, one booting child at a time until one boots; children already working are never
-stopped for it. Exit status of `run()`: 0 when stopped by a signal; `BOOT_FAILED_EXIT` when
-children failed to boot `BOOT_FAILURE_LIMIT` times in a row while none was working, with the
-last child's reason logged.
+Signals: TERM and INT stop gracefully (TERM every child, reap every 100 ms for up to
+`shutdown_timeout`, KILL the rest); QUIT is the same with `QUICK_SHUTDOWN_SECONDS` of grace;
+TTIN/TTOU add or retire one child (the oldest); HUP replaces every child, one at a time. A
+child that cannot boot is retried with backoff, one at a time; `run()` returns
+`BOOT_FAILED_EXIT` after `BOOT_FAILURE_LIMIT` failures in a row while none works. Design §5.
 
 The supervisor never opens a database connection, and starts no thread: the children it
 forks inherit nothing they could share by mistake.
@@ -66,6 +41,7 @@ from typing import TYPE_CHECKING
 from common import logging as fairq_logging
 from common import metrics_dir
 from worker import backoff, child, exporter
+from worker.child_process import ChildProcess
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -112,45 +88,6 @@ ChildMain = Callable[[WorkerSettings, child.Inherited], int]
 
 class SupervisorError(RuntimeError):
     """The supervisor cannot start (metrics port taken, ...); the message says why."""
-
-
-@dataclass
-class ChildProcess:
-    """What the supervisor knows about one forked child.
-
-    `started_at` is monotonic; `generation` is the HUP generation it was spawned in;
-    `status_fd` and `alive_fd` are the read ends of its status and alive pipes (-1 once
-    closed); `alive_at` (monotonic) is when it last said it was alive.
-    """
-
-    pid: int
-    started_at: float
-    generation: int
-    status_fd: int
-    alive_fd: int = -1
-    alive_at: float = 0.0
-    status: bytes = b""
-    booted: bool = False
-    retiring: bool = False
-    kill_at: float | None = None
-    killed: bool = False
-    hung: bool = False
-
-    @property
-    def boot_error(self) -> str:
-        """The reason the child sent before exiting with `child.BOOT_ERROR`, if any."""
-        return self._reported(child.STATUS_ERROR)
-
-    @property
-    def stuck_handler(self) -> str:
-        """What the child said before exiting with `child.HANDLER_STUCK`, if anything."""
-        return self._reported(child.STATUS_STUCK)
-
-    def _reported(self, prefix: str) -> str:
-        for line in self.status.decode("utf-8", "replace").splitlines():
-            if line.startswith(prefix):
-                return line[len(prefix) :].strip()
-        return "no reason given (see the child's log above)"
 
 
 @dataclass(frozen=True)
@@ -291,7 +228,7 @@ class Supervisor:
                 os.close(fd)
         self._wake_r = self._wake_w = -1
         for proc in self.children.values():
-            self._close_pipes(proc)
+            proc.close_pipes()
         metrics_dir.remove_temporary()
 
     # -- the loop's wait ------------------------------------------------------------------
@@ -406,13 +343,13 @@ class Supervisor:
             if proc is None:
                 continue
             self._read_status(proc)
-            self._close_pipes(proc)
+            proc.close_pipes()
             self._mark_dead(pid)
             self._on_exit(proc, status)
 
     def _on_exit(self, proc: ChildProcess, status: int) -> None:
         now = time.monotonic()
-        code, how = _describe_exit(proc, status)
+        code, how = proc.describe_exit(status)
         if proc.retiring or self._stopping:
             level = logging.INFO if code in (0, None) else logging.WARNING
             if code == child.HANDLER_STUCK:
@@ -516,7 +453,7 @@ class Supervisor:
         for proc in self.children.values():
             if proc.killed:
                 continue
-            if self._drain_alive(proc):
+            if proc.drain_alive():
                 proc.alive_at = now
                 continue
             silent = now - proc.alive_at
@@ -531,19 +468,6 @@ class Supervisor:
                 "stopped or stuck; killing it", proc.pid, silent, self.settings.child_timeout,
             )  # fmt: skip
             self._kill(proc)
-
-    def _drain_alive(self, proc: ChildProcess) -> bool:
-        """Read what the child wrote on its alive pipe; tell whether it wrote anything."""
-        alive = False
-        while proc.alive_fd >= 0:
-            try:
-                data = os.read(proc.alive_fd, 4096)
-            except (BlockingIOError, InterruptedError):
-                break
-            if not data:  # the child closed it (exiting): the reap decides what that means
-                break
-            alive = True
-        return alive
 
     def kill_overdue(self) -> None:
         """SIGKILL retired children still running `shutdown_timeout` after their TERM."""
@@ -665,33 +589,9 @@ class Supervisor:
         return fds
 
     def _read_status(self, proc: ChildProcess) -> None:
-        if proc.status_fd < 0:
-            return
-        while True:
-            try:
-                data = os.read(proc.status_fd, 4096)
-            except (BlockingIOError, InterruptedError):
-                return
-            if not data:
-                self._close_status(proc)
-                return
-            proc.status += data[: 4096 - len(proc.status)]
-            if not proc.booted and child.STATUS_BOOTED.encode() in proc.status:
-                proc.booted = True
-                self._boot_failures.clear()  # a boot in between: failures are no longer in a row
-                self._boot_streak = 0
-
-    def _close_status(self, proc: ChildProcess) -> None:
-        if proc.status_fd >= 0:
-            os.close(proc.status_fd)
-            proc.status_fd = -1
-
-    def _close_pipes(self, proc: ChildProcess) -> None:
-        """Close the supervisor's ends of the child's status and alive pipes."""
-        self._close_status(proc)
-        if proc.alive_fd >= 0:
-            os.close(proc.alive_fd)
-            proc.alive_fd = -1
+        if proc.read_status():
+            self._boot_failures.clear()  # a boot in between: failures are no longer in a row
+            self._boot_streak = 0
 
     def _kill(self, proc: ChildProcess) -> None:
         proc.killed = True  # so its SIGKILL death is not blamed on the OOM killer
@@ -742,20 +642,6 @@ class Supervisor:
                 self._wait(STOP_REAP_INTERVAL_SECONDS)
         for pid in self.children:
             log.error("child %d did not die after SIGKILL; giving up on it", pid)
-
-
-def _describe_exit(proc: ChildProcess, status: int) -> tuple[int | None, str]:
-    """The exit code (None if killed by a signal) and how to say it in the log."""
-    if os.WIFEXITED(status):
-        code = os.WEXITSTATUS(status)
-        return code, f"exit status {code}"
-    sig = os.WTERMSIG(status)
-    how = f"killed by {signal.Signals(sig).name}"
-    if sig == signal.SIGKILL and not proc.killed:
-        # We send SIGKILL only to hung, overdue or leftover children; anyone else's is
-        # almost always the kernel's out-of-memory killer.
-        how += " (likely out of memory: the OOM killer sends SIGKILL)"
-    return None, how
 
 
 def _record_only(signum: int, frame: object) -> None:
