@@ -107,7 +107,11 @@ def session_key(admin_token: str) -> bytes:
 
 def init_app(app: Flask, settings: ApiSettings) -> None:
     """Serve the dashboard from `app`: its blueprint, session cookie and CSRF protection."""
-    from api.dashboard import views  # noqa: PLC0415  (imports flask-wtf forms and templates)
+    # Importing `keys` adds the company keys views to `views.blp`: before it is registered.
+    from api.dashboard import (  # noqa: PLC0415  (imports flask-wtf forms and templates)
+        keys,  # noqa: F401  (imported for the routes it adds)
+        views,
+    )
 
     app.config.update(
         SESSION_COOKIE_NAME=SESSION_COOKIE_NAME,

@@ -1,5 +1,6 @@
 """The dashboard's pages and actions (issue 14). Thin views, as the API's: arguments in, `db`
-calls, a template out; an action is one `db` call, then a redirect (POST/redirect/GET).
+calls, a template out; an action is one `db` call, then a redirect (POST/redirect/GET). The
+company keys views are `api.dashboard.keys`, on this module's blueprint.
 
 Every page reads in one transaction of its own under the statistics statement timeout
 (`STATS_TIMEOUT_MS`): a read that runs past it is a 503 saying so, never a request holding a
@@ -209,7 +210,7 @@ def after_dashboard_request(response: Response) -> Response:
 
 
 @contextlib.contextmanager
-def _reading() -> Iterator[psycopg.Connection[Any]]:
+def reading() -> Iterator[psycopg.Connection[Any]]:
     """The request's connection in a transaction, each statement under `STATS_TIMEOUT_MS`.
 
     A statement cancelled by the timeout is a 503 with `Retry-After`.
@@ -251,7 +252,7 @@ def _query(schema: Schema) -> dict[str, Any]:
     return loaded
 
 
-def _back(default: str) -> ResponseReturnValue:
+def back(default: str) -> ResponseReturnValue:
     """After an action: back to the page it was sent from (`next`), else to `default`."""
     return redirect(safe_next(request.form.get("next")) or default, 303)
 
@@ -319,7 +320,7 @@ def overview() -> ResponseReturnValue:
     """The queue at a glance: tasks by status, what holds the due work, the spiral's signs,
     the chart, lease holders, leading companies."""
     settings = _settings()
-    with _reading() as connection:
+    with reading() as connection:
         stats = tenant_stats.queue_stats(connection, limits=settings.stats_limits, top=LEADERS)
         series = dashboard.finished_per_minute(connection)
         holders = dashboard.lease_holders(connection)
@@ -353,7 +354,7 @@ def companies_list() -> ResponseReturnValue:
     """Every company, one row each, sorted and paged."""
     args = _query(CompanyListQuery())
     sort = dashboard.CompanySort(args["sort"])
-    with _reading() as reader:
+    with reading() as reader:
         page = dashboard.list_companies(
             reader,
             sort=sort,
@@ -379,21 +380,22 @@ def companies_list() -> ResponseReturnValue:
 @blp.get("/companies/<uuid:company_id>")
 def company(company_id: uuid.UUID) -> ResponseReturnValue:
     """A company: its figures, actions, latest failures and its tasks, filtered."""
-    return _company_page(company_id)
+    return company_page(company_id)
 
 
-def _company_page(
+def company_page(
     company_id: uuid.UUID,
     limits_form: LimitsForm | None = None,
     status: int = 200,
     issue_form: KeyIssueForm | None = None,
 ) -> ResponseReturnValue:
+    """A company's page; with a form that failed validation, shown again with its errors."""
     args = _query(CompanyTasksQuery())
     offset = (args["page"] - 1) * PAGE_SIZE
     if offset > MAX_OFFSET:
         found = {"query": {"page": [f"Must be at most {MAX_OFFSET // PAGE_SIZE + 1}."]}}
         abort(422, message=errors.validation_message(found), errors=found)
-    with _reading() as reader:
+    with reading() as reader:
         stored = companies.get_company(reader, company_id)
         stats = tenant_stats.company_stats(reader, company_id, limits=_settings().stats_limits)
         failures = dashboard.recent_failures(reader, company_id, limit=RECENT_FAILURES)
@@ -434,7 +436,7 @@ def _company_page(
 @blp.get("/companies/<uuid:company_id>/tasks/<uuid:task_id>")
 def task(company_id: uuid.UUID, task_id: uuid.UUID) -> ResponseReturnValue:
     """A task: payload, result, attempts, its timeline and last error."""
-    with _reading() as reader:
+    with reading() as reader:
         stored = companies.get_company(reader, company_id)
         detail = dashboard.task_detail(reader, company_id, task_id)
         now = dashboard.now(reader)
@@ -487,7 +489,7 @@ def pause(company_id: uuid.UUID) -> ResponseReturnValue:
     # Workers trust what they read of pauses this long: answered later, none starts a task.
     time.sleep(workers.PAUSE_SEEN_WITHIN_SECONDS)
     flash(f"Paused {paused.name}: no worker starts its tasks now; running ones finish.")
-    return _back(url_for(".company", company_id=company_id))
+    return back(url_for(".company", company_id=company_id))
 
 
 @blp.post("/companies/<uuid:company_id>/resume")
@@ -498,7 +500,7 @@ def resume(company_id: uuid.UUID) -> ResponseReturnValue:
             writer, company_id, notify_channel=_settings().notify_channel
         )
     flash(f"Resumed {resumed.name}: its tasks are claimed again.")
-    return _back(url_for(".company", company_id=company_id))
+    return back(url_for(".company", company_id=company_id))
 
 
 @blp.post("/companies/<uuid:company_id>/limits")
@@ -506,7 +508,7 @@ def limits(company_id: uuid.UUID) -> ResponseReturnValue:
     """Set a company's weight, max_in_flight and max_pending; 422 naming a bad field."""
     form = LimitsForm()
     if not form.validate():
-        return _company_page(company_id, limits_form=form, status=422)
+        return company_page(company_id, limits_form=form, status=422)
     weight = form.weight.data
     assert isinstance(weight, int)  # InputRequired passed
     changed = companies.update_company_limits(
@@ -517,80 +519,7 @@ def limits(company_id: uuid.UUID) -> ResponseReturnValue:
         max_pending=form.max_pending.data,
     )
     flash(f"Saved the limits of {changed.name}.")
-    return _back(url_for(".company", company_id=company_id))
-
-
-def _key_issued(
-    company_id: uuid.UUID, key: str, record: api_keys.ApiKeyRecord, replaces: str | None = None
-) -> ResponseReturnValue:
-    """The one page that shows a new key's secret: rendered by the POST itself (no redirect,
-    so the secret is never kept in the session cookie for a flash message), sent `no-store`."""
-    with _reading() as reader:
-        stored = companies.get_company(reader, company_id)
-        now = dashboard.now(reader)
-    page = render_template(
-        "dashboard/key_issued.html",
-        company=stored,
-        key=key,
-        record=record,
-        replaces=replaces,
-        now=now,
-    )
-    return page, 201
-
-
-@blp.post("/companies/<uuid:company_id>/keys")
-def issue_key(company_id: uuid.UUID) -> ResponseReturnValue:
-    """Issue a company a new API key and show its secret once; 422 naming a bad field."""
-    form = KeyIssueForm()
-    if not form.validate():
-        return _company_page(company_id, issue_form=form, status=422)
-    days = form.expires_in_days.data
-    key = auth.new_api_key()
-    with database.transaction() as writer:
-        record = api_keys.issue_key(
-            writer,
-            company_id,
-            auth.hash_api_key(key),
-            expires_in_seconds=None if days is None else days * 86400,
-        )
-    return _key_issued(company_id, key, record)
-
-
-@blp.post("/companies/<uuid:company_id>/keys/<uuid:key_id>/rotate")
-def rotate_key(company_id: uuid.UUID, key_id: uuid.UUID) -> ResponseReturnValue:
-    """Replace a key with a new one (shown once), the old one working `overlap_hours` more."""
-    form = KeyRotateForm()
-    if not form.validate():
-        found = {"form": form.errors}
-        abort(422, message=errors.validation_message(found), errors=found)
-    hours = form.overlap_hours.data
-    assert isinstance(hours, int)  # InputRequired passed
-    key = auth.new_api_key()
-    with database.transaction() as writer:
-        old, new = api_keys.rotate_key(
-            writer,
-            company_id,
-            key_id,
-            auth.hash_api_key(key),
-            overlap_seconds=hours * 3600,
-        )
-    auth.key_cache(current_app).clear()
-    return _key_issued(company_id, key, new, replaces=_until(old))
-
-
-def _until(key: api_keys.ApiKeyRecord) -> str:
-    return f"{key.id} works until {when(key.expires_at)}"
-
-
-@blp.post("/companies/<uuid:company_id>/keys/<uuid:key_id>/revoke")
-def revoke_key(company_id: uuid.UUID, key_id: uuid.UUID) -> ResponseReturnValue:
-    """Revoke a key now: 401 at once on this process, within 5 s on the others."""
-    with database.transaction() as writer:
-        api_keys.revoke_key(writer, company_id, key_id, keep_one_active=False)
-    auth.key_cache(current_app).clear()
-    flash(f"Revoked API key {key_id}.")
-    return _back(url_for(".company", company_id=company_id) + "#keys-title")
+    return back(url_for(".company", company_id=company_id))
 
 
 @blp.post("/companies/<uuid:company_id>/tasks/<uuid:task_id>/retry")
@@ -598,7 +527,7 @@ def retry(company_id: uuid.UUID, task_id: uuid.UUID) -> ResponseReturnValue:
     """Retry a failed or cancelled task now, its attempts reset; 409 from another status."""
     queue.retry_task(database.connection(), company_id, task_id)
     flash(f"Task {task_id} is pending again, runnable now.")
-    return _back(url_for(".task", company_id=company_id, task_id=task_id))
+    return back(url_for(".task", company_id=company_id, task_id=task_id))
 
 
 @blp.post("/companies/<uuid:company_id>/tasks/<uuid:task_id>/cancel")
@@ -606,7 +535,7 @@ def cancel(company_id: uuid.UUID, task_id: uuid.UUID) -> ResponseReturnValue:
     """Cancel a pending task; 409 from another status."""
     queue.cancel_task(database.connection(), company_id, task_id)
     flash(f"Task {task_id} is cancelled.")
-    return _back(url_for(".task", company_id=company_id, task_id=task_id))
+    return back(url_for(".task", company_id=company_id, task_id=task_id))
 
 
 # ---------------------------------------------------------------------------------------------
