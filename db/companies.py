@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import class_row
 
-from db import errors, queue
+from db import claims, errors
 from db.engine import driver_errors
 
 
@@ -156,7 +156,7 @@ def _set_paused(
 
 
 # The company's wake-up lock in shared mode, as the triggers that make a task pending take it
-# (migration 0003; the claimer's `queue._TRY_WAKE_LOCKS` spells the same bucket).
+# (migration 0003; the claimer's try-locks in db/sql/claim.sql spell the same bucket).
 _TAKE_WAKE_LOCK_SHARED = (
     "SELECT pg_advisory_xact_lock_shared(CAST(%(namespace)s AS int), "
     "hashtext(CAST(CAST(%(company_id)s AS uuid) AS text)) & (CAST(%(buckets)s AS int) - 1))"
@@ -174,7 +174,7 @@ def pause_company(conn: psycopg.Connection[Any], company_id: uuid.UUID) -> Compa
     autocommit outside a transaction (the statements below must commit together).
 
     Once the caller's commit returns, no claim takes the company's tasks. Every claim holds
-    the claims' advisory lock (`queue.CLAIM_LOCK_KEY`) shared until it commits
+    the claims' advisory lock (`claims.CLAIM_LOCK_KEY`) shared until it commits
     (db/sql/claim.sql), so the pause takes it exclusively before it commits: a claim in
     flight has then committed first, and every later claim reads the ring after the pause.
     Three statements, in this order:
@@ -189,15 +189,15 @@ def pause_company(conn: psycopg.Connection[Any], company_id: uuid.UUID) -> Compa
     """
     _require_transaction(conn, "pause_company")
     wake_lock = {
-        "namespace": queue.WAKE_LOCK_NAMESPACE,
+        "namespace": claims.WAKE_LOCK_NAMESPACE,
         "company_id": company_id,
-        "buckets": queue.WAKE_LOCK_BUCKETS,
+        "buckets": claims.WAKE_LOCK_BUCKETS,
     }
     with driver_errors("pause_company"):
         conn.execute(_TAKE_WAKE_LOCK_SHARED, wake_lock)
     company = _set_paused(conn, company_id, True)
     with driver_errors("pause_company"):
-        conn.execute(_WAIT_FOR_CLAIMERS, {"key": queue.CLAIM_LOCK_KEY})
+        conn.execute(_WAIT_FOR_CLAIMERS, {"key": claims.CLAIM_LOCK_KEY})
     return company
 
 

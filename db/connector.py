@@ -89,8 +89,8 @@ def connect(url: str, **kwargs: Any) -> psycopg.Connection[Any]:
     """One connection of its own, not pooled; `kwargs` as `connect_kwargs` takes them.
 
     Transactions it opens run under READ COMMITTED, whatever the server's default: the
-    queue's statements are written for it (db/queue.py). Raises `psycopg.OperationalError`
-    when the server cannot be reached.
+    queue's statements are written for it (db/queue.py, db/claims.py). Raises
+    `psycopg.OperationalError` when the server cannot be reached.
     """
     conn = psycopg.connect(conninfo(url), **connect_kwargs(**kwargs))
     _configure(conn)

@@ -170,7 +170,7 @@ class CompanyQueue(Base):
     Derived state, one row per company (created by a trigger on `companies`). `due_at` is a
     lower bound of the earliest `run_after` among the company's pending tasks (None: none);
     triggers on `tasks` lower it whenever a task becomes pending, and only the claimer
-    raises it, under the company's wake-up lock (db/queue.py, `claim`). `ready` marks the
+    raises it, under the company's wake-up lock (db/sql/claim.sql). `ready` marks the
     companies the claimer serves, in `ring_position` order (deficit round robin): a company
     gets a position at the end of the ring each time it becomes ready. Migration 0003 holds
     the triggers and the `company_ring_positions` sequence.
@@ -270,7 +270,7 @@ class Task(Base):
             name="timeout_seconds_range",
         ),
         CheckConstraint("jsonb_typeof(payload) = 'object'", name="payload_is_object"),
-        # The claim's per-company candidates (db/queue.py `_CLAIM`), in "eligible since"
+        # The claim's per-company candidates (db/sql/claim.sql), in "eligible since"
         # order (decision 0001): the claim reads the range `run_after <=` its statement's
         # start and stops after the company's share, so rows scheduled or backed off into the
         # future are never visited however many there are. `id` is a key column, not INCLUDE:

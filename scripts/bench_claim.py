@@ -1,12 +1,12 @@
 """Time our claim against the previous claim and the floor, per tenant shape (issue 9).
 
 Variants, each claiming a batch of 100 in a transaction that is rolled back afterwards:
-- ours: `db.queue.claim(conn, worker_id=..., batch_size=100)` exactly as workers run it,
-  whatever statements it sends, timed as a whole; the only thing of `db.queue` the timings
+- ours: `db.claims.claim(conn, worker_id=..., batch_size=100)` exactly as workers run it,
+  whatever statements it sends, timed as a whole; the only thing of `db.claims` the timings
   use, so they measure whatever the claim is. By statement (`--no-breakdown` skips it): the
   time of each statement it sends through a psycopg cursor is recorded too, at the driver (a
   cursor class that logs each execute: a few microseconds), each named after the constant of
-  `db.queue` that holds its SQL, else after its first words; a claim that sends none that
+  `db.claims` that holds its SQL, else after its first words; a claim that sends none that
   way gets no breakdown, and the output says so;
 - previous: the claim of commit f2958cf, embedded below (its lock statement, then one
   statement: per-company top-K driven by the `companies` table, at most 10 per company,
@@ -86,8 +86,8 @@ from psycopg.abc import Params, Query
 from sqlalchemy import Engine, TextClause, event, pool, text
 from sqlalchemy.orm import Session
 
+from db import claims
 from db import engine as db_engine
-from db import queue
 from db.engine import driver_connection
 from devtools import stack
 from scripts import perf_seed
@@ -298,7 +298,7 @@ def statement_name(query: str) -> str:
 class StatementClock:
     """Times every statement sent through some engines' connections, while `record` is active.
 
-    Statements are named after the constant of `db.queue` (or of this script) that holds
+    Statements are named after the constant of `db.claims` (or of this script) that holds
     them, whatever those are: raw SQL strings as they are, `text()` clauses as SQLAlchemy
     compiles them.
     """
@@ -306,7 +306,7 @@ class StatementClock:
     def __init__(self, engines: Sequence[Engine]) -> None:
         named: dict[str, object] = {
             name: value
-            for name, value in vars(queue).items()
+            for name, value in vars(claims).items()
             if name.lstrip("_").isupper() and isinstance(value, str | TextClause)
         }
         named |= {"PREVIOUS_LOCK": PREVIOUS_LOCK, "PREVIOUS_CLAIM": PREVIOUS_CLAIM, "FLOOR": FLOOR}
@@ -388,7 +388,7 @@ class Variant:
 
 
 def _ours(session: Session) -> Sequence[Any]:
-    return queue.claim(
+    return claims.claim(
         driver_connection(session, transaction=False), worker_id=WORKER, batch_size=BATCH
     )
 

@@ -17,9 +17,9 @@ rebuilt after it (much faster than growing them row by row; a built index is pac
 tighter than a grown one, which helps every variant of `bench_claim` alike).
 
 Then every company with runnable work is made ready the way a live system does it: by the
-claim itself. Each committed `queue.claim` promotes up to `queue.PROMOTE_LIMIT` companies
+claim itself. Each committed `claims.claim` promotes up to `claims.PROMOTE_LIMIT` companies
 whose `due_at` has come (joining the ring), so one claim of batch 1 per that many waiting
-companies, each followed by `queue.release_tasks` of the task it took (back to `pending`,
+companies, each followed by `claims.release_tasks` of the task it took (back to `pending`,
 attempt undone, place in line kept, as on a worker's shutdown), leaves exactly the state a
 live queue is in after its claims have caught up: the ready set is the companies with
 runnable work, in the order the claim promoted them, the claim cursor somewhere in it;
@@ -58,7 +58,7 @@ from pathlib import Path
 from sqlalchemy import Connection, Engine, pool, text
 from sqlalchemy.orm import Session
 
-from db import queue
+from db import claims
 from db.engine import driver_connection, make_engine
 from devtools import stack
 
@@ -262,13 +262,13 @@ def _catch_up(engine: Engine) -> None:
     waiting = _count(engine, _NOT_YET_PROMOTED)
     while waiting:
         with Session(engine) as session:
-            batch = queue.claim(
+            batch = claims.claim(
                 driver_connection(session, transaction=False),
                 worker_id=CATCH_UP_WORKER,
                 batch_size=1,
             )
             session.commit()
-            queue.release_tasks(
+            claims.release_tasks(
                 driver_connection(session, transaction=False), [task.lease for task in batch]
             )
             session.commit()

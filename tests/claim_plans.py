@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from db import queue
+from db import claims
 from db.engine import driver_connection
 
 NO_AUTO_EXPLAIN = (
@@ -79,7 +79,7 @@ def claim_statements(
     *,
     worker_id: str = "plan:1",
     analyze: bool = False,
-) -> tuple[list[queue.ClaimedTask], list[Statement]]:
+) -> tuple[list[claims.ClaimedTask], list[Statement]]:
     """Claim a batch with auto_explain on; return the batch and every statement logged.
 
     The statements of `fairq_claim` in the order they ran, then the call itself, with the
@@ -118,7 +118,7 @@ def claim_statements(
             "FROM unnest(CAST(%s AS text[]), CAST(%s AS text[])) AS s(name, value)",
             (list(settings), list(settings.values())),
         )
-        batch = queue.claim(
+        batch = claims.claim(
             driver_connection(session, transaction=False),
             worker_id=worker_id,
             batch_size=batch_size,

@@ -203,7 +203,7 @@ def insert_tasks(
     They are created one second apart, the newest `newest_age_seconds` ago (database clock),
     and, like every task created without `run_at` and never retried, were runnable from the
     moment they were created: `run_after = created_at`. So they are older eligible work in the
-    claim's order too ("eligible since", `db.queue.claim`). With `notify_channel`, NOTIFY on it
+    claim's order too ("eligible since", `db.claims.claim`). With `notify_channel`, NOTIFY on it
     in the same transaction, as the API does.
     """
     with session_of(db) as session:

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 from werkzeug.test import TestResponse
 
 from api import errors
-from db import queue
+from db import claims, queue
 from db.engine import driver_connection
 from tests import pg
 from tests.conftest import ADMIN_TOKEN, serve_app
@@ -113,14 +113,14 @@ def test_a_completed_task_makes_room_and_a_processing_one_does_not(
 ) -> None:
     set_max_pending(client, company, 2)
     assert create_batch(client, company, 2).status_code == 201
-    claimed = queue.claim(
+    claimed = claims.claim(
         driver_connection(db_session, transaction=False), worker_id="test:1", batch_size=1
     )
     assert len(claimed) == 1
 
     # Processing still counts: the claim moved nothing out of the backlog.
     assert_quota_refusal(create(client, company), unfinished=2, quota=2, adding=1)
-    assert queue.complete_tasks(
+    assert claims.complete_tasks(
         driver_connection(db_session, transaction=False), [claimed[0].lease]
     ) == {claimed[0].id}
     assert create(client, company).status_code == 201

@@ -22,7 +22,7 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from db import queue
+from db import claims, queue
 from db.engine import driver_connection, make_engine, make_sessionmaker
 from tests import claim_plans
 from tests.factories import (
@@ -38,10 +38,10 @@ from tests.factories import (
 STALE = 300.0
 
 
-def claim(session: Session, **overrides: Any) -> list[queue.ClaimedTask]:
+def claim(session: Session, **overrides: Any) -> list[claims.ClaimedTask]:
     """Claim with test defaults (worker "test:1", batch 100), then commit."""
     params: dict[str, Any] = {"worker_id": "test:1", "batch_size": 100, **overrides}
-    batch = queue.claim(driver_connection(session, transaction=False), **params)
+    batch = claims.claim(driver_connection(session, transaction=False), **params)
     session.commit()
     return batch
 
@@ -70,7 +70,7 @@ def test_claim_moves_pending_task_to_processing_under_a_new_lease(
     assert claimed.attempts == stored["attempts"] == 1
     assert claimed.max_attempts == 5
     assert claimed.lease_token == stored["lease_token"] is not None
-    assert claimed.lease == queue.Lease(task.id, claimed.lease_token)
+    assert claimed.lease == claims.Lease(task.id, claimed.lease_token)
     assert stored["status"] == "processing"
     assert stored["locked_by"] == "host:42"
     assert stored["locked_at"] is not None
@@ -234,7 +234,7 @@ def test_claim_leaves_the_callers_planner_settings_as_they_were(
 
     assert (
         len(
-            queue.claim(
+            claims.claim(
                 driver_connection(db_session, transaction=False), worker_id="t", batch_size=1
             )
         )
@@ -309,7 +309,7 @@ def test_a_claim_given_commit_ends_its_transaction_before_it_hands_out_the_batch
             insert_tasks(setup, company.id, 2 if n == 1 else 60)
     with sessions() as claimer, fresh_engine.connect() as other:
         # The reference: the same claim, rolled back.
-        reference = queue.claim(
+        reference = claims.claim(
             driver_connection(claimer, transaction=False), worker_id="test:1", batch_size=100
         )
         claimer.rollback()
@@ -319,7 +319,7 @@ def test_a_claim_given_commit_ends_its_transaction_before_it_hands_out_the_batch
             claimer.commit()
             commits.append(len(commits))
 
-        batch = queue.claim(
+        batch = claims.claim(
             driver_connection(claimer, transaction=False),
             worker_id="test:1",
             batch_size=100,
@@ -328,7 +328,7 @@ def test_a_claim_given_commit_ends_its_transaction_before_it_hands_out_the_batch
 
         assert commits == [0]
         assert other.execute(
-            text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": queue.CLAIM_LOCK_KEY}
+            text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": claims.CLAIM_LOCK_KEY}
         ).scalar_one()
         held = other.execute(
             text("SELECT id FROM tasks WHERE status = 'processing' AND locked_by = 'test:1'")
@@ -630,7 +630,7 @@ def _thirty_companies_in_the_ring(sessions: Callable[[], Session]) -> list[uuid.
     return companies
 
 
-def _the_next_200_turns(batches: list[list[queue.ClaimedTask]]) -> None:
+def _the_next_200_turns(batches: list[list[claims.ClaimedTask]]) -> None:
     """Two full, disjoint batches that are together the ring's next 200 turns.
 
     Weight 1 each, the cursor after the setup's lap: the 30 companies' next six laps and
@@ -654,7 +654,7 @@ def test_a_claim_runs_to_the_end_while_another_claim_is_in_flight(fresh_engine: 
     sessions = make_sessionmaker(fresh_engine)
     _thirty_companies_in_the_ring(sessions)
     with sessions() as first, sessions() as second:
-        in_flight = queue.claim(
+        in_flight = claims.claim(
             driver_connection(first, transaction=False), worker_id="first:1", batch_size=100
         )
         second.execute(text("SET LOCAL lock_timeout = '2s'"))
@@ -678,10 +678,10 @@ def test_concurrent_claimers_released_at_once_get_full_disjoint_batches(
     sessions = make_sessionmaker(fresh_engine)
     _thirty_companies_in_the_ring(sessions)
     claimers = make_engine(fresh_db_url, application_name="parallel-claimer")
-    results: list[list[queue.ClaimedTask]] = []
+    results: list[list[claims.ClaimedTask]] = []
     try:
         with sessions() as holder:
-            holder.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": queue.CLAIM_LOCK_KEY})
+            holder.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": claims.CLAIM_LOCK_KEY})
 
             def run(worker_id: str) -> None:
                 with make_sessionmaker(claimers)() as session:
@@ -747,7 +747,7 @@ def _interfere(kind: str, session: Session, task: uuid.UUID, company: uuid.UUID)
     if kind == "another claimer":
         # Another claim, the real one, also while the gated claimer runs the naive one: its
         # stretch of the ring is the company again, whose W the gated claim holds.
-        taken = queue.claim(
+        taken = claims.claim(
             driver_connection(session, transaction=False), worker_id="other:1", batch_size=1
         )
         assert [t.id for t in taken] == [task]

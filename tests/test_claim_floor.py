@@ -17,16 +17,16 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from db import queue, workers
+from db import claims, workers
 from db.engine import driver_connection
 from tests.factories import insert_company, insert_tasks
 
 Floor = tuple[dt.datetime | None, uuid.UUID | None]
 
 
-def claim(session: Session, batch_size: int) -> list[queue.ClaimedTask]:
+def claim(session: Session, batch_size: int) -> list[claims.ClaimedTask]:
     """One committed claim, as a worker makes it."""
-    return queue.claim(
+    return claims.claim(
         driver_connection(session, transaction=False),
         worker_id="floor:1",
         batch_size=batch_size,
@@ -85,13 +85,13 @@ def test_a_drained_company_has_its_floor_at_the_end_and_a_new_task_lowers_it(
     assert [t.id for t in claim(session, 10)] == [new]
 
 
-def _release(session: Session, lease: queue.Lease) -> None:
-    assert queue.release_tasks(driver_connection(session, transaction=False), [lease]) == {
+def _release(session: Session, lease: claims.Lease) -> None:
+    assert claims.release_tasks(driver_connection(session, transaction=False), [lease]) == {
         lease.task_id
     }
 
 
-def _expire(session: Session, lease: queue.Lease) -> None:
+def _expire(session: Session, lease: claims.Lease) -> None:
     session.execute(
         text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
         {"id": lease.task_id},
@@ -102,7 +102,7 @@ def _expire(session: Session, lease: queue.Lease) -> None:
 
 @pytest.mark.parametrize("make_pending", [_release, _expire], ids=["release", "expired-lease"])
 def test_a_task_made_pending_below_the_floor_lowers_it_and_is_claimed_first(
-    fresh_engine: Engine, session: Session, make_pending: Callable[[Session, queue.Lease], None]
+    fresh_engine: Engine, session: Session, make_pending: Callable[[Session, claims.Lease], None]
 ) -> None:
     """A released or expired task keeps (or goes back to) an early place in line: below the
     floor the claims before raised. Its trigger lowers the floor; the next claim takes it."""
@@ -166,7 +166,7 @@ def test_while_a_snapshot_is_held_a_claim_reads_the_pending_index_from_the_floor
             before = _index_entries_read(session)
             assert (
                 len(
-                    queue.claim(
+                    claims.claim(
                         driver_connection(session, transaction=False),
                         worker_id="floor:1",
                         batch_size=100,
@@ -209,13 +209,13 @@ def test_a_completion_finds_its_leases_by_id_not_through_a_processing_index(
     company = insert_company(fresh_engine).id
     insert_tasks(fresh_engine, company, 300)
     first = [t.lease for t in claim(session, 100)]
-    queue.complete_tasks(driver_connection(session, transaction=False), first)
+    claims.complete_tasks(driver_connection(session, transaction=False), first)
     session.commit()
     leases = [t.lease for t in claim(session, 100)]
     session.execute(text("ANALYZE tasks"))
     session.commit()
     before = _processing_entries_read(session)
-    assert len(queue.complete_tasks(driver_connection(session, transaction=False), leases)) == 100
-    assert queue.release_tasks(driver_connection(session, transaction=False), leases) == set()
+    assert len(claims.complete_tasks(driver_connection(session, transaction=False), leases)) == 100
+    assert claims.release_tasks(driver_connection(session, transaction=False), leases) == set()
     assert _processing_entries_read(session) == before
     session.commit()

@@ -2,7 +2,7 @@
 
 The allocation is checked against its reference model, `db.fair_share.allocate`, on random
 rings. The guarantees are checked with 8 or 16 claimers in threads, each on a connection of
-its own to a fresh database, claiming through `db.queue.claim` as workers do: no task twice,
+its own to a fresh database, claiming through `db.claims.claim` as workers do: no task twice,
 no batch short while allowed work exists, `max_in_flight` never exceeded, a committed pause
 obeyed, and the fairness bound of decision 0007.
 """
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from db import companies, fair_share, queue
+from db import claims, companies, fair_share
 from db.engine import driver_connection
 from db.fair_share import Contender
 from tests.factories import insert_company, insert_tasks
@@ -103,7 +103,7 @@ def test_the_servers_allocation_is_the_reference_models(
 
 
 class Claimers:
-    """`count` threads, each claiming through `queue.claim` on a session of its own."""
+    """`count` threads, each claiming through `claims.claim` on a session of its own."""
 
     def __init__(self, engine: Engine, count: int) -> None:
         self.engine = engine
@@ -132,9 +132,9 @@ class Claimers:
             raise self.errors[0]
 
 
-def claim(session: Session, batch_size: int, worker: str = "t") -> list[queue.ClaimedTask]:
+def claim(session: Session, batch_size: int, worker: str = "t") -> list[claims.ClaimedTask]:
     """One committed claim, as a worker makes it."""
-    return queue.claim(
+    return claims.claim(
         driver_connection(session, transaction=False),
         worker_id=worker,
         batch_size=batch_size,
@@ -318,7 +318,7 @@ def test_sixteen_claimers_never_exceed_max_in_flight(fresh_engine: Engine) -> No
         for _ in range(rounds):
             tasks = claim(session, batch, f"w{index}")
             threading.Event().wait(rng.uniform(0, 0.01))
-            queue.complete_tasks(
+            claims.complete_tasks(
                 driver_connection(session, transaction=False), [task.lease for task in tasks]
             )
             session.commit()
@@ -389,7 +389,7 @@ def test_a_claim_in_autocommit_is_one_round_trip_and_leaves_no_lock_behind(
         with Session(bind=connection) as session:
             assert (
                 len(
-                    queue.claim(
+                    claims.claim(
                         driver_connection(session, transaction=False), worker_id="t", batch_size=2
                     )
                 )
@@ -429,7 +429,7 @@ def test_a_claim_cancelled_in_its_reservation_leaves_no_lock_behind(
             holder.exec_driver_sql("LOCK TABLE company_queues IN ACCESS EXCLUSIVE MODE")
         claimer.exec_driver_sql("SET statement_timeout = '300ms'")
         with pytest.raises(Exception, match="statement timeout"), Session(bind=claimer) as s:
-            queue.claim(driver_connection(s, transaction=False), worker_id="t", batch_size=1)
+            claims.claim(driver_connection(s, transaction=False), worker_id="t", batch_size=1)
         claimer.rollback()
         if where == "waiting for it":
             holder.exec_driver_sql(f"SELECT pg_advisory_unlock({RESERVATION_LOCK})")
@@ -443,7 +443,7 @@ def test_a_claim_cancelled_in_its_reservation_leaves_no_lock_behind(
         with Session(bind=claimer) as s:
             assert (
                 len(
-                    queue.claim(
+                    claims.claim(
                         driver_connection(s, transaction=False), worker_id="t", batch_size=1
                     )
                 )
@@ -465,8 +465,8 @@ def test_a_lease_starts_when_the_claim_takes_the_row_not_before_its_waits(
     company = insert_company(fresh_engine)
     insert_tasks(fresh_engine, company.id, 1)
     with fresh_engine.connect() as holder:
-        holder.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": queue.CLAIM_LOCK_KEY})
-        claimed: list[queue.ClaimedTask] = []
+        holder.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": claims.CLAIM_LOCK_KEY})
+        claimed: list[claims.ClaimedTask] = []
         thread = threading.Thread(
             target=lambda: Claimers(fresh_engine, 1).run(
                 lambda _, session: claimed.extend(claim(session, 1))
@@ -495,4 +495,4 @@ def test_a_claim_outside_read_committed_is_refused(fresh_engine: Engine) -> None
             pytest.raises(Exception, match="runs under READ COMMITTED"),
             Session(bind=connection) as session,
         ):
-            queue.claim(driver_connection(session, transaction=False), worker_id="t", batch_size=1)
+            claims.claim(driver_connection(session, transaction=False), worker_id="t", batch_size=1)

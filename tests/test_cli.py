@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, text
 
-from db import queue
+from db import claims
 from tests import supervisor_harness as harness
 from tests.factories import insert_company, insert_tasks
 from worker import cli
@@ -141,7 +141,7 @@ def test_once_reports_a_driver_error_in_the_claim_as_a_database_error(
     holder = fresh_engine.connect()
     try:
         # Another claimer that holds the claimers' lock for longer than the timeout.
-        holder.execute(text("SELECT pg_advisory_lock(:key)"), {"key": queue.CLAIM_LOCK_KEY})
+        holder.execute(text("SELECT pg_advisory_lock(:key)"), {"key": claims.CLAIM_LOCK_KEY})
         holder.commit()
         environment = {**os.environ, "DATABASE_URL": fresh_db_url}
         done = subprocess.run(

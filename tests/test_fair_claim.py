@@ -1,4 +1,4 @@
-"""The weighted fair claim (migration 0003, `db.queue.claim`, `db.fair_share`).
+"""The weighted fair claim (migration 0003, `db.claims.claim`, `db.fair_share`).
 
 What must hold: the claim is work-conserving (a lone company fills whole batches); companies
 take turns, each up to its weight a turn, so shares across batches are proportional to the
@@ -29,7 +29,7 @@ from sqlalchemy import Engine, pool, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from db import errors, queue
+from db import claims, errors, queue
 from db.engine import driver_connection, make_engine, make_sessionmaker
 from tests import claim_plans, pg
 from tests.factories import (
@@ -44,16 +44,16 @@ from tests.factories import (
 
 def claim(session: Session, batch_size: int = 100, worker_id: str = "fair:1") -> list[uuid.UUID]:
     """Claim a batch and commit; return the ids of the claimed tasks in claim order."""
-    batch = queue.claim(
+    batch = claims.claim(
         driver_connection(session, transaction=False), worker_id=worker_id, batch_size=batch_size
     )
     session.commit()
     return [task.id for task in batch]
 
 
-def claim_tasks(session: Session, batch_size: int = 100) -> list[queue.ClaimedTask]:
+def claim_tasks(session: Session, batch_size: int = 100) -> list[claims.ClaimedTask]:
     """Claim a batch and commit; return the claimed tasks."""
-    batch = queue.claim(
+    batch = claims.claim(
         driver_connection(session, transaction=False), worker_id="fair:1", batch_size=batch_size
     )
     session.commit()
@@ -279,8 +279,8 @@ def test_a_turn_continued_from_the_previous_batch_is_handed_out_in_serving_order
 # -- max_in_flight ---------------------------------------------------------------------------
 
 
-def _complete(session: Session, tasks: Sequence[queue.ClaimedTask]) -> None:
-    assert queue.complete_tasks(
+def _complete(session: Session, tasks: Sequence[claims.ClaimedTask]) -> None:
+    assert claims.complete_tasks(
         driver_connection(session, transaction=False), [t.lease for t in tasks]
     ) == {t.id for t in tasks}
     session.commit()
@@ -378,7 +378,7 @@ class _Claimers:
     count: int
     batch_size: int
     done: threading.Event = field(default_factory=threading.Event)
-    batches: list[list[queue.ClaimedTask]] = field(default_factory=list)
+    batches: list[list[claims.ClaimedTask]] = field(default_factory=list)
     failures: list[BaseException] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -387,7 +387,7 @@ class _Claimers:
         try:
             with make_sessionmaker(engine)() as session:
                 while True:
-                    batch = queue.claim(
+                    batch = claims.claim(
                         driver_connection(session, transaction=False),
                         worker_id=f"claimer:{worker}",
                         batch_size=self.batch_size,
@@ -397,7 +397,7 @@ class _Claimers:
                         with self.lock:
                             self.batches.append(batch)
                         time.sleep(pause())
-                        queue.complete_tasks(
+                        claims.complete_tasks(
                             driver_connection(session, transaction=False), [t.lease for t in batch]
                         )
                         session.commit()
@@ -616,12 +616,12 @@ def test_eight_claimers_with_weights_and_limits_claim_every_task_once_while_work
 # -- the wake-up lock: no task is forgotten --------------------------------------------------
 
 
-def _ready_with_nothing_pending(sessions: sessionmaker[Session]) -> tuple[uuid.UUID, queue.Lease]:
+def _ready_with_nothing_pending(sessions: sessionmaker[Session]) -> tuple[uuid.UUID, claims.Lease]:
     """A company whose only task was just claimed, still marked ready (it was not short)."""
     with sessions() as setup:
         company = insert_company(setup, "k").id
         insert_task(setup, company)
-        [task] = queue.claim(
+        [task] = claims.claim(
             driver_connection(setup, transaction=False), worker_id="first:1", batch_size=1
         )
         setup.commit()
@@ -691,14 +691,14 @@ def test_settling_a_company_without_its_wake_up_lock_would_lose_a_task_being_ins
         assert pending == "pending"
 
 
-def _release(session: Session, lease: queue.Lease, company: uuid.UUID) -> None:
-    assert queue.release_tasks(driver_connection(session, transaction=False), [lease]) == {
+def _release(session: Session, lease: claims.Lease, company: uuid.UUID) -> None:
+    assert claims.release_tasks(driver_connection(session, transaction=False), [lease]) == {
         lease.task_id
     }
 
 
-def _retry(session: Session, lease: queue.Lease, company: uuid.UUID) -> None:
-    assert queue.schedule_retry(
+def _retry(session: Session, lease: claims.Lease, company: uuid.UUID) -> None:
+    assert claims.schedule_retry(
         driver_connection(session, transaction=False),
         lease.task_id,
         lease.token,
@@ -707,11 +707,11 @@ def _retry(session: Session, lease: queue.Lease, company: uuid.UUID) -> None:
     )
 
 
-def _api_retry(session: Session, lease: queue.Lease, company: uuid.UUID) -> None:
+def _api_retry(session: Session, lease: claims.Lease, company: uuid.UUID) -> None:
     queue.retry_task(driver_connection(session, transaction=False), company, lease.task_id)
 
 
-def _expire(session: Session, lease: queue.Lease, company: uuid.UUID) -> None:
+def _expire(session: Session, lease: claims.Lease, company: uuid.UUID) -> None:
     assert [e.id for e in take_back(session, stale_after=60)] == [lease.task_id]
 
 
@@ -721,14 +721,14 @@ def _expire(session: Session, lease: queue.Lease, company: uuid.UUID) -> None:
     ids=["release", "retry", "api-retry", "expired-lease"],
 )
 def test_a_task_made_pending_in_an_open_transaction_is_claimed_after_it_commits(
-    fresh_engine: Engine, make_pending: Callable[[Session, queue.Lease, uuid.UUID], None]
+    fresh_engine: Engine, make_pending: Callable[[Session, claims.Lease, uuid.UUID], None]
 ) -> None:
     """As above for a task made pending by an UPDATE: the row trigger holds the lock too."""
     sessions = make_sessionmaker(fresh_engine)
     company, lease = _ready_with_nothing_pending(sessions)
     with sessions() as setup:
         if make_pending is _api_retry:
-            assert queue.fail_task(
+            assert claims.fail_task(
                 driver_connection(setup, transaction=False),
                 lease.task_id,
                 lease.token,
@@ -872,8 +872,8 @@ def test_one_statement_inserting_tasks_for_5000_companies_takes_at_most_64_wake_
         {"ids": companies},
     )
 
-    held = db_session.execute(WAKE_LOCKS, {"namespace": queue.WAKE_LOCK_NAMESPACE}).scalar_one()
-    assert held == queue.WAKE_LOCK_BUCKETS  # every bucket once, not one lock per company
+    held = db_session.execute(WAKE_LOCKS, {"namespace": claims.WAKE_LOCK_NAMESPACE}).scalar_one()
+    assert held == claims.WAKE_LOCK_BUCKETS  # every bucket once, not one lock per company
     db_session.commit()
 
     claimed: list[uuid.UUID] = []
@@ -938,7 +938,7 @@ BLOCKS_TOUCHED = text(
 def _claim_buffers(session: Session) -> int:
     """Buffers a claim of 100 touches (hits and reads over every table and index)."""
     before = session.execute(BLOCKS_TOUCHED).scalar_one()
-    batch = queue.claim(
+    batch = claims.claim(
         driver_connection(session, transaction=False), worker_id="cost:1", batch_size=100
     )
     after = session.execute(BLOCKS_TOUCHED).scalar_one()
@@ -1061,7 +1061,7 @@ def test_a_claim_finds_runnable_work_behind_a_thousand_companies_that_ran_dry(
 
 
 def test_the_wake_up_lock_of_the_triggers_is_the_one_the_claimer_tries(db_session: Session) -> None:
-    """`WAKE_LOCK_NAMESPACE` and `WAKE_LOCK_BUCKETS` of db/queue.py match migration 0003.
+    """`WAKE_LOCK_NAMESPACE` and `WAKE_LOCK_BUCKETS` of db/claims.py match migration 0003.
 
     By the triggers' source, and by behaviour: inserting a task holds exactly the lock
     `(namespace, hashtext(company_id) & (buckets - 1))` that `fairq_claim` tries.
@@ -1076,17 +1076,17 @@ def test_the_wake_up_lock_of_the_triggers_is_the_one_the_claimer_tries(db_sessio
     )
     assert len(sources) == 2
     for source in sources.values():
-        assert f"pg_advisory_xact_lock_shared({queue.WAKE_LOCK_NAMESPACE}," in source
-        assert f"::text) & {queue.WAKE_LOCK_BUCKETS - 1}" in source
+        assert f"pg_advisory_xact_lock_shared({claims.WAKE_LOCK_NAMESPACE}," in source
+        assert f"::text) & {claims.WAKE_LOCK_BUCKETS - 1}" in source
         assert source.count("pg_advisory_xact_lock_shared(") == 1
     claim_source = db_session.execute(
         text("SELECT prosrc FROM pg_proc WHERE oid = 'fairq_claim'::regproc")
     ).scalar_one()
-    assert f"pg_try_advisory_xact_lock({queue.WAKE_LOCK_NAMESPACE}, b.bucket)" in claim_source
-    assert f"hashtext(x::text) & {queue.WAKE_LOCK_BUCKETS - 1} AS bucket" in claim_source
+    assert f"pg_try_advisory_xact_lock({claims.WAKE_LOCK_NAMESPACE}, b.bucket)" in claim_source
+    assert f"hashtext(x::text) & {claims.WAKE_LOCK_BUCKETS - 1} AS bucket" in claim_source
 
     company = insert_company(db_session, "k").id
-    before = db_session.execute(WAKE_LOCKS, {"namespace": queue.WAKE_LOCK_NAMESPACE})
+    before = db_session.execute(WAKE_LOCKS, {"namespace": claims.WAKE_LOCK_NAMESPACE})
     assert before.scalar_one() == 0
     insert_task(db_session, company)
     [(bucket,)] = db_session.execute(
@@ -1094,11 +1094,11 @@ def test_the_wake_up_lock_of_the_triggers_is_the_one_the_claimer_tries(db_sessio
             "SELECT objid FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'advisory' "
             "AND classid = CAST(:namespace AS oid) AND objsubid = 2 AND mode = 'ShareLock'"
         ),
-        {"namespace": queue.WAKE_LOCK_NAMESPACE},
+        {"namespace": claims.WAKE_LOCK_NAMESPACE},
     ).all()
     expected = db_session.execute(
         text("SELECT hashtext(CAST(:c AS text)) & (CAST(:buckets AS int) - 1)"),
-        {"c": str(company), "buckets": queue.WAKE_LOCK_BUCKETS},
+        {"c": str(company), "buckets": claims.WAKE_LOCK_BUCKETS},
     ).scalar_one()
     assert bucket == expected
 

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from db import queue, workers
+from db import claims, workers
 from db.engine import driver_connection
 from db.models import Task
 from tests.factories import MakeCompany, MakeTask, take_back
@@ -24,20 +24,20 @@ def fetch(session: Session, task_id: uuid.UUID) -> dict[str, Any]:
     return dict(result.mappings().one())
 
 
-def lease(task: Task) -> queue.Lease:
+def lease(task: Task) -> claims.Lease:
     """The lease a `claimed_task` row is held under."""
     assert task.lease_token is not None
-    return queue.Lease(task.id, task.lease_token)
+    return claims.Lease(task.id, task.lease_token)
 
 
-def take_over(session: Session, task: Task) -> queue.ClaimedTask:
+def take_over(session: Session, task: Task) -> claims.ClaimedTask:
     """Let `task`'s lease expire, requeue it and have another worker claim it; return that."""
     session.execute(
         text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
         {"id": task.id},
     )
     assert [e.id for e in take_back(session, stale_after=60)] == [task.id]
-    [claimed] = queue.claim(
+    [claimed] = claims.claim(
         driver_connection(session, transaction=False), worker_id="new:2", batch_size=10
     )
     session.commit()
@@ -53,7 +53,7 @@ def test_complete_clears_the_lease_and_the_last_error(
 ) -> None:
     task = claimed_task(make_company().id, last_error="earlier failure")
 
-    assert queue.complete_tasks(
+    assert claims.complete_tasks(
         driver_connection(db_session, transaction=False), [lease(task)]
     ) == {task.id}
 
@@ -70,13 +70,13 @@ def test_complete_tasks_completes_only_the_leases_still_held(
 ) -> None:
     company = make_company().id
     held, lost = claimed_task(company), claimed_task(company)
-    stale_lease = queue.Lease(lost.id, uuid.uuid4())
+    stale_lease = claims.Lease(lost.id, uuid.uuid4())
 
-    assert queue.complete_tasks(
+    assert claims.complete_tasks(
         driver_connection(db_session, transaction=False), [lease(held), stale_lease]
     ) == {held.id}
     assert fetch(db_session, lost.id)["status"] == "processing"
-    assert queue.complete_tasks(driver_connection(db_session, transaction=False), []) == set()
+    assert claims.complete_tasks(driver_connection(db_session, transaction=False), []) == set()
 
 
 def test_fail_records_the_error_clipped_and_without_nul(
@@ -84,7 +84,7 @@ def test_fail_records_the_error_clipped_and_without_nul(
 ) -> None:
     task = claimed_task(make_company().id)
 
-    assert queue.fail_task(
+    assert claims.fail_task(
         driver_connection(db_session, transaction=False),
         task.id,
         lease(task).token,
@@ -95,7 +95,7 @@ def test_fail_records_the_error_clipped_and_without_nul(
     assert stored["status"] == "failed"
     assert stored["finished_at"] is not None
     assert stored["lease_token"] is None
-    assert len(stored["last_error"]) == queue.MAX_ERROR_CHARS
+    assert len(stored["last_error"]) == claims.MAX_ERROR_CHARS
     assert stored["last_error"].startswith("bad\\0xxx")
     assert stored["last_error"].endswith("\u2026")
 
@@ -105,7 +105,7 @@ def test_retry_puts_the_task_back_to_pending_after_the_delay(
 ) -> None:
     task = claimed_task(make_company().id, attempts=2)
 
-    assert queue.schedule_retry(
+    assert claims.schedule_retry(
         driver_connection(db_session, transaction=False),
         task.id,
         lease(task).token,
@@ -131,12 +131,12 @@ def test_release_restores_attempts_and_keeps_run_after(
         make_task(company, run_after=text(f"now() - interval '{n} minutes'")) for n in (3, 2, 1)
     ]
     before = {t.id: fetch(db_session, t.id) for t in tasks}
-    claimed = queue.claim(
+    claimed = claims.claim(
         driver_connection(db_session, transaction=False), worker_id="w:1", batch_size=10
     )
     assert {t.attempts for t in claimed} == {1}
 
-    assert queue.release_tasks(
+    assert claims.release_tasks(
         driver_connection(db_session, transaction=False), [t.lease for t in claimed]
     ) == {t.id for t in tasks}
 
@@ -146,7 +146,7 @@ def test_release_restores_attempts_and_keeps_run_after(
         assert stored["attempts"] == 0
         assert stored["run_after"] == before[task.id]["run_after"]
         assert stored["lease_token"] is stored["locked_by"] is stored["locked_at"] is None
-    assert queue.release_tasks(driver_connection(db_session, transaction=False), []) == set()
+    assert claims.release_tasks(driver_connection(db_session, transaction=False), []) == set()
 
 
 def test_a_late_worker_changes_nothing_after_its_lease_was_taken_over(
@@ -158,15 +158,15 @@ def test_a_late_worker_changes_nothing_after_its_lease_was_taken_over(
     new = take_over(db_session, task)
     after_takeover = fetch(db_session, task.id)
 
-    assert queue.complete_tasks(driver_connection(db_session, transaction=False), [old]) == set()
+    assert claims.complete_tasks(driver_connection(db_session, transaction=False), [old]) == set()
     assert (
-        queue.fail_task(
+        claims.fail_task(
             driver_connection(db_session, transaction=False), old.task_id, old.token, error="late"
         )
         is False
     )
     assert (
-        queue.schedule_retry(
+        claims.schedule_retry(
             driver_connection(db_session, transaction=False),
             old.task_id,
             old.token,
@@ -175,14 +175,14 @@ def test_a_late_worker_changes_nothing_after_its_lease_was_taken_over(
         )
         is False
     )
-    assert queue.release_tasks(driver_connection(db_session, transaction=False), [old]) == set()
+    assert claims.release_tasks(driver_connection(db_session, transaction=False), [old]) == set()
 
     assert fetch(db_session, task.id) == after_takeover
     assert after_takeover["lease_token"] == new.lease_token
     assert after_takeover["locked_by"] == "new:2"
     assert after_takeover["attempts"] == 2
     # The new holder still finalizes normally.
-    assert queue.complete_tasks(driver_connection(db_session, transaction=False), [new.lease]) == {
+    assert claims.complete_tasks(driver_connection(db_session, transaction=False), [new.lease]) == {
         task.id
     }
 
@@ -191,11 +191,11 @@ def test_finalizers_miss_on_tasks_that_are_no_longer_processing(
     db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
 ) -> None:
     task = claimed_task(make_company().id)
-    assert queue.complete_tasks(
+    assert claims.complete_tasks(
         driver_connection(db_session, transaction=False), [lease(task)]
     ) == {task.id}
     assert (
-        queue.fail_task(
+        claims.fail_task(
             driver_connection(db_session, transaction=False), task.id, lease(task).token, error="x"
         )
         is False
@@ -267,7 +267,7 @@ def test_a_task_whose_worker_dies_every_time_ends_failed_after_max_attempts(
     task = make_task(company, max_attempts=3)
     expire = text("UPDATE tasks SET locked_at = now() - interval '10 minutes' WHERE id = :id")
     for attempt in (1, 2, 3):
-        [claimed] = queue.claim(
+        [claimed] = claims.claim(
             driver_connection(db_session, transaction=False),
             worker_id=f"doomed:{attempt}",
             batch_size=1,
@@ -289,7 +289,7 @@ def test_a_task_whose_worker_dies_every_time_ends_failed_after_max_attempts(
     )
     assert stored["lease_token"] is stored["locked_by"] is stored["locked_at"] is None
     assert (
-        queue.claim(driver_connection(db_session, transaction=False), worker_id="w", batch_size=1)
+        claims.claim(driver_connection(db_session, transaction=False), worker_id="w", batch_size=1)
         == []
     )
     assert take_back(db_session, stale_after=300) == []
@@ -336,7 +336,7 @@ def test_the_sweep_requeues_a_task_with_attempts_left_and_keeps_its_history(
     assert stored["lease_token"] is stored["locked_by"] is stored["locked_at"] is None
     # The old holder's lease is fenced off.
     assert (
-        queue.complete_tasks(driver_connection(db_session, transaction=False), [lease(task)])
+        claims.complete_tasks(driver_connection(db_session, transaction=False), [lease(task)])
         == set()
     )
 

@@ -29,7 +29,7 @@ import pytest
 from sqlalchemy import Engine, pool, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from db import companies, errors, queue
+from db import claims, companies, errors, queue
 from db.engine import driver_connection, make_engine, make_sessionmaker
 from tests.factories import (
     MakeCompany,
@@ -42,16 +42,16 @@ from tests.factories import (
 from tests.supervisor_harness import wait_for
 
 
-def claim(session: Session, batch_size: int = 100) -> list[queue.ClaimedTask]:
+def claim(session: Session, batch_size: int = 100) -> list[claims.ClaimedTask]:
     """Claim a batch as a worker does, and commit."""
-    batch = queue.claim(
+    batch = claims.claim(
         driver_connection(session, transaction=False), worker_id="pause:1", batch_size=batch_size
     )
     session.commit()
     return batch
 
 
-def of(batch: Sequence[queue.ClaimedTask], company_id: uuid.UUID) -> list[uuid.UUID]:
+def of(batch: Sequence[claims.ClaimedTask], company_id: uuid.UUID) -> list[uuid.UUID]:
     """The ids of `company_id`'s tasks in `batch`, in claim order."""
     return [task.id for task in batch if task.company_id == company_id]
 
@@ -264,10 +264,10 @@ def test_tasks_running_when_their_company_is_paused_finish_as_usual(
 
     pause(db_session, company)
 
-    assert queue.complete_tasks(driver_connection(db_session, transaction=False), [done.lease]) == {
-        done.id
-    }
-    assert queue.fail_task(
+    assert claims.complete_tasks(
+        driver_connection(db_session, transaction=False), [done.lease]
+    ) == {done.id}
+    assert claims.fail_task(
         driver_connection(db_session, transaction=False),
         broken.id,
         broken.lease_token,
@@ -282,9 +282,9 @@ def test_tasks_running_when_their_company_is_paused_finish_as_usual(
     assert statuses == {done.id: "completed", broken.id: "failed"}
 
 
-def _retry_with_backoff(session: Session, task: queue.ClaimedTask) -> None:
+def _retry_with_backoff(session: Session, task: claims.ClaimedTask) -> None:
     # A short backoff, waited out below: what holds the task back is the pause.
-    assert queue.schedule_retry(
+    assert claims.schedule_retry(
         driver_connection(session, transaction=False),
         task.id,
         task.lease_token,
@@ -293,13 +293,13 @@ def _retry_with_backoff(session: Session, task: queue.ClaimedTask) -> None:
     )
 
 
-def _release(session: Session, task: queue.ClaimedTask) -> None:
-    assert queue.release_tasks(driver_connection(session, transaction=False), [task.lease]) == {
+def _release(session: Session, task: claims.ClaimedTask) -> None:
+    assert claims.release_tasks(driver_connection(session, transaction=False), [task.lease]) == {
         task.id
     }
 
 
-def _lose_lease(session: Session, task: queue.ClaimedTask) -> None:
+def _lose_lease(session: Session, task: claims.ClaimedTask) -> None:
     session.execute(
         text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
         {"id": task.id},
@@ -307,8 +307,8 @@ def _lose_lease(session: Session, task: queue.ClaimedTask) -> None:
     assert [lost.id for lost in take_back(session, stale_after=60)] == [task.id]
 
 
-def _retry_by_api(session: Session, task: queue.ClaimedTask) -> None:
-    assert queue.fail_task(
+def _retry_by_api(session: Session, task: claims.ClaimedTask) -> None:
+    assert claims.fail_task(
         driver_connection(session, transaction=False), task.id, task.lease_token, error="boom"
     )
     queue.retry_task(driver_connection(session, transaction=False), task.company_id, task.id)
@@ -320,7 +320,7 @@ def _retry_by_api(session: Session, task: queue.ClaimedTask) -> None:
     ids=["retry-with-backoff", "release", "expired-lease", "api-retry"],
 )
 def test_a_task_made_pending_again_while_its_company_is_paused_waits_for_resume(
-    fresh_engine: Engine, make_pending: Callable[[Session, queue.ClaimedTask], None]
+    fresh_engine: Engine, make_pending: Callable[[Session, claims.ClaimedTask], None]
 ) -> None:
     """The task was running when the pause came; it comes back to pending and stays there.
 
@@ -530,7 +530,7 @@ class Claiming(threading.Thread):
     def __init__(self, url: str, batch_size: int) -> None:
         super().__init__(daemon=True)
         self.url, self.batch_size = url, batch_size
-        self.batch: list[queue.ClaimedTask] = []
+        self.batch: list[claims.ClaimedTask] = []
         self.wake_locks: set[int] = set()
         self.error: BaseException | None = None
 
@@ -538,12 +538,12 @@ class Claiming(threading.Thread):
         engine = make_engine(self.url, application_name=CLAIMER, poolclass=pool.NullPool)
         try:
             with make_sessionmaker(engine)() as session:
-                batch = queue.claim(
+                batch = claims.claim(
                     driver_connection(session, transaction=False),
                     worker_id="race:1",
                     batch_size=self.batch_size,
                 )
-                namespace = {"namespace": queue.WAKE_LOCK_NAMESPACE}
+                namespace = {"namespace": claims.WAKE_LOCK_NAMESPACE}
                 self.wake_locks = set(session.execute(_WAKE_LOCKS_HELD, namespace).scalars())
                 session.commit()
                 self.batch = batch
@@ -665,7 +665,7 @@ def _wake_up_bucket(sessions: sessionmaker[Session], company_id: uuid.UUID) -> i
     with sessions() as session:
         bucket: int = session.execute(
             text("SELECT hashtext(CAST(:c AS text)) & (CAST(:buckets AS int) - 1)"),
-            {"c": str(company_id), "buckets": queue.WAKE_LOCK_BUCKETS},
+            {"c": str(company_id), "buckets": claims.WAKE_LOCK_BUCKETS},
         ).scalar_one()
     return bucket
 
@@ -712,7 +712,7 @@ def test_without_the_wake_up_lock_that_claim_passes_over_the_row_the_pause_holds
 
     def pause_without_wake_up_lock(conn: psycopg.Connection[Any], company_id: uuid.UUID) -> None:
         naked_pause(conn, company_id)
-        conn.execute("SELECT pg_advisory_xact_lock(%(key)s)", {"key": queue.CLAIM_LOCK_KEY})
+        conn.execute("SELECT pg_advisory_xact_lock(%(key)s)", {"key": claims.CLAIM_LOCK_KEY})
 
     sessions = make_sessionmaker(fresh_engine)
     company = _ready_and_short(sessions)
@@ -731,11 +731,11 @@ def test_without_the_wake_up_lock_that_claim_passes_over_the_row_the_pause_holds
 
 
 def test_the_locks_that_stop_a_claim_are_the_ones_fairq_claim_takes(db_session: Session) -> None:
-    """The numbers above, and db/queue.py's claimers' lock, as db/sql/claim.sql spells them."""
+    """The numbers above, and db/claims.py's claimers' lock, as db/sql/claim.sql spells them."""
     source = db_session.execute(
         text("SELECT prosrc FROM pg_proc WHERE oid = 'fairq_claim'::regproc")
     ).scalar_one()
-    assert f"pg_advisory_xact_lock_shared({queue.CLAIM_LOCK_KEY})" in source
+    assert f"pg_advisory_xact_lock_shared({claims.CLAIM_LOCK_KEY})" in source
     assert f"pg_advisory_xact_lock({RESERVATION_LOCK_KEY})" in source
     assert f"pg_advisory_xact_lock({LIMIT_LOCK_NAMESPACE}, b)" in source
     assert f"::text) & {LIMIT_LOCK_BUCKETS - 1}" in source
@@ -749,7 +749,7 @@ class Claimers:
     count: int
     batch_size: int
     stop: threading.Event = field(default_factory=threading.Event)
-    batches: list[list[queue.ClaimedTask]] = field(default_factory=list)
+    batches: list[list[claims.ClaimedTask]] = field(default_factory=list)
     failures: list[BaseException] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -758,7 +758,7 @@ class Claimers:
         try:
             with make_sessionmaker(engine)() as session:
                 while not self.stop.is_set():
-                    batch = queue.claim(
+                    batch = claims.claim(
                         driver_connection(session, transaction=False),
                         worker_id=f"claimer:{worker}",
                         batch_size=self.batch_size,
@@ -769,7 +769,7 @@ class Claimers:
                         continue
                     with self.lock:
                         self.batches.append(batch)
-                    queue.complete_tasks(
+                    claims.complete_tasks(
                         driver_connection(session, transaction=False),
                         [task.lease for task in batch],
                     )
@@ -861,7 +861,7 @@ READ_SO_FAR = text(
 def _claim_reads(session: Session) -> tuple[int, int]:
     """`(buffers, rows)` a claim of 100 reads."""
     before = session.execute(READ_SO_FAR).one()
-    batch = queue.claim(
+    batch = claims.claim(
         driver_connection(session, transaction=False), worker_id="cost:1", batch_size=100
     )
     after = session.execute(READ_SO_FAR).one()

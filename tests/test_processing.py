@@ -24,7 +24,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from db import connector, queue, workers
+from db import claims, connector, workers
 from db.engine import driver_connection, make_engine, make_sessionmaker
 from devtools.webhook_receiver import Receiver
 from tests import pg
@@ -119,10 +119,10 @@ def silence(session: Session, worker_id: str = "test:1") -> None:
 
 def take_over(
     session: Session, *, worker_id: str, stale_after: float, batch_size: int = 1
-) -> list[queue.ClaimedTask]:
+) -> list[claims.ClaimedTask]:
     """What another worker does: sweep with `stale_after`, then claim."""
     take_back(session, stale_after=stale_after)
-    return queue.claim(
+    return claims.claim(
         driver_connection(session, transaction=False), worker_id=worker_id, batch_size=batch_size
     )
 
@@ -477,7 +477,7 @@ def test_outcomes_a_database_error_left_unwritten_are_written_by_the_next_pass_n
         return statement
 
     for name in ("complete_tasks", "release_tasks"):
-        monkeypatch.setattr(queue, name, while_down(getattr(queue, name)))
+        monkeypatch.setattr(claims, name, while_down(getattr(claims, name)))
     register("counted", lambda task: runs.append(task.task_id))
     ids = insert_tasks(sessions, fresh_company_id, 3, task_type="counted")
     unwritten = processing.UnwrittenOutcomes()
@@ -516,7 +516,7 @@ def test_write_unwritten_writes_what_a_failed_pass_kept(
     ids = insert_tasks(sessions, fresh_company_id, 2, task_type="noop")
     unwritten = processing.UnwrittenOutcomes()
     with monkeypatch.context() as patched:
-        patched.setattr(queue, "complete_tasks", complete_fails)
+        patched.setattr(claims, "complete_tasks", complete_fails)
         with pytest.raises(OperationalError):
             run_pass(sessions, unwritten=unwritten)
     assert unwritten.completions == 2
@@ -561,7 +561,7 @@ def test_a_sweep_schedule_sweeps_expired_leases_only_when_due(
     def lease_expired_task() -> uuid.UUID:
         [task_id] = insert_tasks(sessions, fresh_company_id, 1, task_type="noop")
         with sessions() as session:
-            [claimed] = queue.claim(
+            [claimed] = claims.claim(
                 driver_connection(session, transaction=False), worker_id="dead:1", batch_size=1
             )
             session.execute(
@@ -625,7 +625,7 @@ def test_the_lease_keeper_logs_a_database_outage_once_not_every_tick(
     def complete_fails(session: Session, *args: Any) -> set[uuid.UUID]:
         raise _database_down()
 
-    monkeypatch.setattr(queue, "complete_tasks", complete_fails)
+    monkeypatch.setattr(claims, "complete_tasks", complete_fails)
     register("slow", lambda task: time.sleep(0.6))  # about ten keeper ticks of failed flushes
     insert_tasks(sessions, fresh_company_id, 1, task_type="noop", newest_age_seconds=60)
     insert_tasks(sessions, fresh_company_id, 1, task_type="slow")
@@ -685,7 +685,9 @@ def test_heartbeat_keeps_a_long_task_from_being_reclaimed(
     # Control: a lease of a worker that does not beat is taken over after the stale window.
     [orphan] = insert_tasks(sessions, fresh_company_id, 1, task_type="long")
     with sessions() as session:
-        queue.claim(driver_connection(session, transaction=False), worker_id="dies:1", batch_size=1)
+        claims.claim(
+            driver_connection(session, transaction=False), worker_id="dies:1", batch_size=1
+        )
         session.commit()
         time.sleep(stale + 0.1)
         [taken] = take_over(session, worker_id="thief:9", stale_after=stale)

@@ -23,7 +23,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import DataError
 from sqlalchemy.orm import Session, sessionmaker
 
-from db import queue
+from db import claims
 from db.engine import driver_connection
 from tests import pg, test_processing
 from tests.factories import CreatedTask, MakeCompany, MakeTask, insert_tasks, json_of
@@ -166,9 +166,9 @@ def test_complete_tasks_stores_each_result_and_null_where_there_is_none(
 ) -> None:
     company = make_company().id
     with_result, without = claimed_task(company), claimed_task(company)
-    leases = [queue.Lease(t.id, t.lease_token) for t in (with_result, without)]  # type: ignore[arg-type]
+    leases = [claims.Lease(t.id, t.lease_token) for t in (with_result, without)]  # type: ignore[arg-type]
 
-    completed = queue.complete_tasks(
+    completed = claims.complete_tasks(
         driver_connection(db_session, transaction=False), leases, ['{"n":1}', None]
     )
 
@@ -241,7 +241,7 @@ def test_a_result_left_unwritten_by_a_database_error_is_written_by_the_next_pass
     [task_id] = insert_tasks(sessions, fresh_company_id, 1, task_type="answer")
     unwritten = processing.UnwrittenOutcomes()
     with monkeypatch.context() as patched:
-        patched.setattr(queue, "complete_tasks", _database_down)
+        patched.setattr(claims, "complete_tasks", _database_down)
         with pytest.raises(DataError):
             run_pass(sessions, unwritten=unwritten)
     assert unwritten.completions == 1

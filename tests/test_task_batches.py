@@ -31,7 +31,7 @@ from api import errors as api_errors
 from api.settings import ApiSettings
 from api.tasks.routes import BATCH_KEY_HEADER_REFUSED
 from api.tasks.schemas import MAX_BATCH_TASKS
-from db import errors, queue
+from db import claims, errors, queue
 from db.engine import driver_connection
 from db.models import Task
 from tests import pg
@@ -135,7 +135,7 @@ def test_a_batch_is_claimed_in_request_order(
     tasks = [{"type": "noop", "payload": {}, "idempotency_key": f"n-{n}"} for n in range(30)]
     ids = [item["id"] for item in items_of(post_batch(client, company, {"tasks": tasks}))]
 
-    claimed = queue.claim(
+    claimed = claims.claim(
         driver_connection(db_session, transaction=False), worker_id="test:1", batch_size=30
     )
 

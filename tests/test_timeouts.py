@@ -30,7 +30,7 @@ from flask.testing import FlaskClient
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from db import queue
+from db import claims
 from tests import supervisor_harness as harness
 from tests import test_processing
 from tests.factories import CreatedTask, MakeCompany, insert_company, insert_tasks, json_of
@@ -85,7 +85,7 @@ def set_timeout(sessions: sessionmaker[Session], ids: list[uuid.UUID], seconds: 
 
 
 def _claimed(task_type: str, payload: dict[str, Any], timeout_seconds: int | None) -> Any:
-    return queue.ClaimedTask(
+    return claims.ClaimedTask(
         uuid.uuid4(), uuid.uuid4(), task_type, payload, 1, 5, uuid.uuid4(),
         dt.datetime.now(dt.UTC), timeout_seconds,
     )  # fmt: skip

@@ -1,6 +1,6 @@
 -- The claim, inside PostgreSQL: one call, one round trip, claimers in parallel.
 --
--- `fairq_claim(worker_id, batch_size)` is the whole claim (db/queue.py `claim` sends it and
+-- `fairq_claim(worker_id, batch_size)` is the whole claim (db/claims.py `claim` sends it and
 -- commits). `fairq_allocate(...)` is its deficit round robin, kept as a function of its own
 -- so that a property test compares it with the reference model in Python
 -- (db/fair_share.py `allocate`). Design: docs/design.md "The claim"; decision 0007.
@@ -19,7 +19,7 @@
 --      claimer's. Waited for in the first round, in bucket order; later rounds only try.
 --   4. task rows, FOR UPDATE SKIP LOCKED, and the wake-up locks of settled companies (tried,
 --      never waited for): no claimer waits for another's rows.
--- The magic numbers are ASCII: "fairqcl" (claims, also db/queue.py CLAIM_LOCK_KEY),
+-- The magic numbers are ASCII: "fairqcl" (claims, also db/claims.py CLAIM_LOCK_KEY),
 -- "fairqrs" (reservation), "fqlm" (limits), "fqwk" (wake-up, db/sql/tasks.sql).
 --
 -- Changing this file needs a migration that re-runs it (db/sql/README.md).

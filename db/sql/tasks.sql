@@ -11,7 +11,8 @@
 --   TRUNCATE  tasks_count_truncated   every backlog count to 0
 --
 -- The claim (pending -> processing) is db/sql/claim.sql; the rest of the state machine's
--- transitions are statements of db/queue.py, and fire the triggers above like any writer.
+-- transitions are statements of db/queue.py (the API's), db/claims.py (the worker's, fenced
+-- by the lease) and db/workers.py (the sweep), and fire the triggers above like any writer.
 --
 -- Changing this file needs a migration that re-runs it (db/sql/README.md).
 
@@ -46,7 +47,7 @@ $$;
 -- Wake-up (migration 0003; design §4, "The claim"). A company's wake-up lock is
 -- pg_advisory_xact_lock(1718712171, hashtext(company_id) & 63): "fqwk" in ASCII, and one of
 -- 64 buckets, so a statement that touches 20,000 companies takes at most 64 locks
--- (db/queue.py WAKE_LOCK_NAMESPACE and WAKE_LOCK_BUCKETS). The writer holds it shared to
+-- (db/claims.py WAKE_LOCK_NAMESPACE and WAKE_LOCK_BUCKETS). The writer holds it shared to
 -- commit; the claimer raises due_at only while holding it exclusively, and reads the
 -- company's tasks after taking it, so a task whose transaction is still open is never missed.
 -- The UPDATE writes only when it lowers due_at: a busy company's creates never queue on its

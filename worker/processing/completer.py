@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, Protocol
 
-from db import queue
+from db import claims
 from worker.processing import outcome, task_log
 from worker.processing.database import PassDatabase
 from worker.processing.held_leases import HeldLeases
@@ -33,8 +33,8 @@ FLUSH_AFTER_SECONDS = 0.1
 class Completion(NamedTuple):
     """A task whose handler returned, not yet written as completed."""
 
-    task: queue.ClaimedTask
-    lease: queue.Lease
+    task: claims.ClaimedTask
+    lease: claims.Lease
     seconds: float  # how long the handler ran
     at: float  # time.monotonic() when it returned
     result: str | None = None  # what it returned, as JSON text (`task_result.encode`)
@@ -47,7 +47,7 @@ class Completer(Protocol):
     """
 
     def complete(
-        self, task: queue.ClaimedTask, lease: queue.Lease, seconds: float, result: str | None
+        self, task: claims.ClaimedTask, lease: claims.Lease, seconds: float, result: str | None
     ) -> None:
         """`task`'s handler returned after `seconds`, with `result` (JSON text, or None)."""
 
@@ -75,7 +75,7 @@ class BatchCompleter:
         leases: HeldLeases,
         counter: ResultCounter,
         observer: PassObserver,
-        lease_lost: Callable[[queue.ClaimedTask, str, float | None], None],
+        lease_lost: Callable[[claims.ClaimedTask, str, float | None], None],
     ) -> None:
         self._db = db
         self._leases = leases
@@ -87,8 +87,8 @@ class BatchCompleter:
 
     def complete(
         self,
-        task: queue.ClaimedTask,
-        lease: queue.Lease,
+        task: claims.ClaimedTask,
+        lease: claims.Lease,
         seconds: float,
         result: str | None = None,
     ) -> None:
@@ -125,7 +125,7 @@ class BatchCompleter:
         # Results only when some handler returned one: else the statement without them.
         results = [d.result for d in done] if any(d.result is not None for d in done) else None
         try:
-            completed = self._db.write(lambda conn: queue.complete_tasks(conn, leases, results))
+            completed = self._db.write(lambda conn: claims.complete_tasks(conn, leases, results))
         except BaseException:
             with self._lock:
                 self._items[:0] = done  # they stay oldest

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from db import queue
+from db import claims
 from worker.processing import outcome, task_log
 from worker.processing.database import PassDatabase
 from worker.processing.held_leases import HeldLeases
@@ -36,7 +36,7 @@ class Finalizer:
 
     def settle(
         self,
-        task: queue.ClaimedTask,
+        task: claims.ClaimedTask,
         decision: outcome.Retry | outcome.Fail,
         *,
         seconds: float | None,
@@ -49,7 +49,7 @@ class Finalizer:
         if isinstance(decision, outcome.Retry):
             retry = decision
             matched = self.db.write(
-                lambda conn: queue.schedule_retry(
+                lambda conn: claims.schedule_retry(
                     conn,
                     task.id,
                     task.lease_token,
@@ -60,7 +60,7 @@ class Finalizer:
         else:
             error = decision.error
             matched = self.db.write(
-                lambda conn: queue.fail_task(
+                lambda conn: claims.fail_task(
                     conn,
                     task.id,
                     task.lease_token,
@@ -89,7 +89,7 @@ class Finalizer:
         self.counter.add(count)
         observe(task.type, seconds)
 
-    def release(self, tasks: Sequence[queue.ClaimedTask]) -> None:
+    def release(self, tasks: Sequence[claims.ClaimedTask]) -> None:
         """Hand back `tasks`, whose handlers never started, with their attempt (design §4).
 
         Fenced: a task whose lease was taken back is reported lost.
@@ -98,7 +98,7 @@ class Finalizer:
         if not mine:
             return
         released = self.db.write(
-            lambda conn: queue.release_tasks(conn, [t.lease for t in mine]),
+            lambda conn: claims.release_tasks(conn, [t.lease for t in mine]),
         )
         self.leases.let_go(task.id for task in mine)
         self.counter.add(PassResult(released=len(released)))
@@ -112,7 +112,7 @@ class Finalizer:
                 log.info(task_log.MSG_RELEASED, fields, extra=fields)
 
     def lease_lost(
-        self, task: queue.ClaimedTask, action: str, seconds: float | None = None
+        self, task: claims.ClaimedTask, action: str, seconds: float | None = None
     ) -> None:
         """Report that `action` on `task` found its lease taken over."""
         fields = task_log.task_fields(task, "task.lease_lost", seconds, action=action)

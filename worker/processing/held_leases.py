@@ -11,7 +11,7 @@ import threading
 import uuid
 from collections.abc import Iterable
 
-from db import queue
+from db import claims
 
 
 class HeldLeases:
@@ -19,9 +19,9 @@ class HeldLeases:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: dict[uuid.UUID, queue.Lease] = {}
+        self._held: dict[uuid.UUID, claims.Lease] = {}
 
-    def hold(self, leases: Iterable[queue.Lease]) -> None:
+    def hold(self, leases: Iterable[claims.Lease]) -> None:
         """Hold `leases` too (claimed, or kept unwritten by an earlier pass)."""
         with self._lock:
             self._held.update((lease.task_id, lease) for lease in leases)

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from marshmallow import ValidationError
 
 from common import logging as fairq_logging
-from db import queue
+from db import claims
 from worker import backoff, tasktypes
 from worker.errors import PermanentTaskError
 from worker.processing import database, outcome, sweep, task_log, task_result, timeouts
@@ -45,7 +45,7 @@ StopFlag = threading.Event | Callable[[], bool] | None
 # Told of a handler that overran its deadline (`timeouts`), once what the pass owed is written.
 OnOverrun = Callable[[timeouts.Overrun], None]
 # The batch's tasks not taken by a runner yet, in claim order, each with its lease.
-_Batch = Iterator[tuple[queue.ClaimedTask, queue.Lease]]
+_Batch = Iterator[tuple[claims.ClaimedTask, claims.Lease]]
 
 
 class _Hand:
@@ -62,7 +62,7 @@ class _Hand:
         self.busy = False  # holds a task whose handler started, or is about to
         # The handler's call while in it: (task, timeout, started, overrun_at), a plain tuple
         # built per task on the hot path; the keeper makes a `timeouts.Running` of it.
-        self.running: tuple[queue.ClaimedTask, float, float, float] | None = None
+        self.running: tuple[claims.ClaimedTask, float, float, float] | None = None
         self.overran = False  # its handler overran: the keeper wrote its outcome
         self.lock = threading.Lock()
 
@@ -223,7 +223,7 @@ class ProcessingPass:
         # by the runners, `_write_overrun` (the keeper's thread) and `_finish`: a task belongs to
         # whoever pops it from here (`dict.pop` and `popitem` are atomic under the GIL). No
         # lock per task: an uncontended one costs a few percent of a noop task.
-        self._unstarted: dict[uuid.UUID, queue.ClaimedTask] = {}
+        self._unstarted: dict[uuid.UUID, claims.ClaimedTask] = {}
         # Once set, no handler starts: the pass is stopping, failing or one overran.
         self._closed = False
         # One per thread running handlers, added as each starts (`_run_tasks`); replaced
@@ -454,7 +454,7 @@ class ProcessingPass:
             raise
 
     def _keep_unwritten(
-        self, completions: list[Completion], unstarted: list[queue.ClaimedTask], exc: BaseException
+        self, completions: list[Completion], unstarted: list[claims.ClaimedTask], exc: BaseException
     ) -> None:
         counts = {"completions": len(completions), "releases": len(unstarted)}
         if self.unwritten is not None:
@@ -472,7 +472,7 @@ class ProcessingPass:
             extra={"event": "tasks.owed_dropped", **counts},
         )  # fmt: skip
 
-    def _claim(self) -> tuple[list[queue.ClaimedTask], list[queue.Lease]]:
+    def _claim(self) -> tuple[list[claims.ClaimedTask], list[claims.Lease]]:
         """Claim a batch and hold its leases; return the batch and its leases, in order."""
         # Taken before the statement: the leases' locked_at (its statement_timestamp()) is no
         # earlier.
@@ -482,7 +482,7 @@ class ProcessingPass:
         # written again on a lost connection: a claim that did commit would leave its batch
         # to lease expiry and claim another.
         batch = self.db.write(
-            lambda conn: queue.claim(
+            lambda conn: claims.claim(
                 conn, worker_id=self.worker_id, batch_size=self.settings.batch_size
             ),
             retry=False,
@@ -504,7 +504,9 @@ class ProcessingPass:
             )  # fmt: skip
         return batch, leases
 
-    def _run_batch(self, batch: Sequence[queue.ClaimedTask], leases: Sequence[queue.Lease]) -> None:
+    def _run_batch(
+        self, batch: Sequence[claims.ClaimedTask], leases: Sequence[claims.Lease]
+    ) -> None:
         """Run the batch's tasks in claim order, up to `settings.threads` at once.
 
         Until every task ran or the pass stops. Whatever ends it (the stop flag;
@@ -576,14 +578,14 @@ class ProcessingPass:
             self._closed = True
             raise
 
-    def _take_unstarted(self) -> list[queue.ClaimedTask]:
+    def _take_unstarted(self) -> list[claims.ClaimedTask]:
         """Take every task not started yet, and let no task start from now on.
 
         From any thread: a task popped here is never started by a runner, which pops it
         before it starts it.
         """
         self._closed = True
-        taken: list[queue.ClaimedTask] = []
+        taken: list[claims.ClaimedTask] = []
         while True:
             try:
                 taken.append(self._unstarted.popitem()[1])
@@ -591,7 +593,7 @@ class ProcessingPass:
                 taken.reverse()  # popitem takes the last first: back in claim order
                 return taken
 
-    def _fail_unknown_type(self, task: queue.ClaimedTask) -> None:
+    def _fail_unknown_type(self, task: claims.ClaimedTask) -> None:
         """Fail `task`, of a type no handler is registered for, unless handed back already."""
         if self._unstarted.pop(task.id, None) is None:
             return  # handed back by `_write_overrun` meanwhile
@@ -619,8 +621,8 @@ class ProcessingPass:
 
     def _run_one(
         self,
-        task: queue.ClaimedTask,
-        lease: queue.Lease,
+        task: claims.ClaimedTask,
+        lease: claims.Lease,
         task_type: TaskType,
         hand: _Hand,
     ) -> None:
@@ -678,8 +680,8 @@ class ProcessingPass:
 
     def _complete_with_result(
         self,
-        task: queue.ClaimedTask,
-        lease: queue.Lease,
+        task: claims.ClaimedTask,
+        lease: claims.Lease,
         returned: JsonValue,
         seconds: float,
     ) -> None:
@@ -722,7 +724,7 @@ class ProcessingPass:
         return backoff.delay(attempt, rng=self.rng)
 
 
-def _load_payload(task: queue.ClaimedTask, task_type: TaskType[Any]) -> Any:
+def _load_payload(task: claims.ClaimedTask, task_type: TaskType[Any]) -> Any:
     """`task`'s payload as its handler receives it (`TaskType.load_payload`).
 
     Raises `PermanentTaskError` naming the fields (never their values: a payload is not

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import traceback
 
-from db import queue, workers
+from db import claims, workers
 
 log = logging.getLogger("fairq.worker.processing")
 
@@ -42,7 +42,7 @@ MSG_OVERRUN = (
 
 
 def task_fields(
-    task: queue.ClaimedTask | workers.TakenBack, event: str, seconds: float | None, **more: object
+    task: claims.ClaimedTask | workers.TakenBack, event: str, seconds: float | None, **more: object
 ) -> dict[str, object]:
     """The fields of a task transition's line; `duration_ms` is None when no handler ran.
 
@@ -65,7 +65,7 @@ def ran(seconds: float | None) -> str:
     return "no run" if seconds is None else f"{seconds * 1000:.1f} ms"
 
 
-def log_traceback(task: queue.ClaimedTask, exc: BaseException) -> None:
+def log_traceback(task: claims.ClaimedTask, exc: BaseException) -> None:
     """At DEBUG, where a handler's exception came from (helps with handler bugs)."""
     if log.isEnabledFor(logging.DEBUG):
         log.debug(

@@ -3,7 +3,7 @@
 A handler may return a JSON value (`tasktypes.base.JsonValue`; None: no result). The pass
 turns it into text here, in its own thread, before the completion is buffered: a value that
 cannot be stored is an error of its task (`outcome.unstorable_result`), never of the
-completion statement, which writes a whole batch (`db.queue.complete_tasks`). A result
+completion statement, which writes a whole batch (`db.claims.complete_tasks`). A result
 `jsonb` refused there would fail that statement, and the batch with it, on every retry.
 """
 

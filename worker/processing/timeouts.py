@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from db import queue
+from db import claims
 from worker.tasktypes.base import DEFAULT_TIMEOUT_SECONDS, TaskType
 
 # How long after its deadline a handler may still return before it has overrun: enough for
@@ -35,7 +35,7 @@ from worker.tasktypes.base import DEFAULT_TIMEOUT_SECONDS, TaskType
 OVERRUN_GRACE_SECONDS = 5.0
 
 
-def timeout_of(task: queue.ClaimedTask, task_type: TaskType[Any]) -> float:
+def timeout_of(task: claims.ClaimedTask, task_type: TaskType[Any]) -> float:
     """How long an attempt at `task` may run, in seconds.
 
     Its `timeout_seconds`, or for a task stored before timeouts existed (NULL) its type's
@@ -57,7 +57,7 @@ def _default_timeout(task_type: TaskType[Any], payload: Mapping[str, Any]) -> fl
 class Running(NamedTuple):
     """A handler's call: its task, timeout (s) and start (`time.monotonic()`)."""
 
-    task: queue.ClaimedTask
+    task: claims.ClaimedTask
     timeout: float
     started: float
 
@@ -77,6 +77,6 @@ class Overrun:
     """A handler still running `ran` seconds after it started, its `timeout` and the grace
     past. The pass wrote its task's timeout outcome and what else it owed (`ProcessingPass`)."""
 
-    task: queue.ClaimedTask
+    task: claims.ClaimedTask
     timeout: float
     ran: float

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from db import queue
+from db import claims
 from worker.processing.completer import Completion
 
 
@@ -21,7 +21,7 @@ class UnwrittenOutcomes:
 
     def __init__(self) -> None:
         self._completions: list[Completion] = []
-        self._releases: list[queue.ClaimedTask] = []
+        self._releases: list[claims.ClaimedTask] = []
 
     @property
     def completions(self) -> int:
@@ -37,13 +37,13 @@ class UnwrittenOutcomes:
         return bool(self._completions or self._releases)
 
     def keep(
-        self, completions: Sequence[Completion], releases: Sequence[queue.ClaimedTask]
+        self, completions: Sequence[Completion], releases: Sequence[claims.ClaimedTask]
     ) -> None:
         """Keep these until a pass takes them."""
         self._completions.extend(completions)
         self._releases.extend(releases)
 
-    def take(self) -> tuple[list[Completion], list[queue.ClaimedTask]]:
+    def take(self) -> tuple[list[Completion], list[claims.ClaimedTask]]:
         """Everything kept, (completions, releases); the pass keeps what it cannot write."""
         taken = self._completions, self._releases
         self._completions, self._releases = [], []
