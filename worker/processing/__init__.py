@@ -12,6 +12,7 @@ The pieces, each in its module:
 - `outcome`: what becomes of a task after its attempt, a pure function of what its handler
   raised, its attempts and the backoff rule;
 - `timeouts`: each attempt's deadline, and what happens to a handler that overruns it;
+- `overruns`: the pass's watch on its running handlers, and what it writes when one overran;
 - `task_result`: what a handler returned, as the JSON text its task stores;
 - `finalize`: writing each outcome fenced by the task's lease, and reporting it once;
 - `completer`: where the pass hands each completion (`Completer`), written in batches;

@@ -2,10 +2,10 @@
 
 While a pass runs its batch, the keeper writes the completions that are due, so they need
 not wait for the end of the pass; writes the timeout outcome of a handler that overran its
-deadline (`timeouts`), from outside the handler's thread, which is busy with it; reads the
-batch's pauses again when a batch starts nothing for a while (`pauses`); and, every heartbeat
-interval, beats the pass's holder when the pass registered its own (a pass outside a worker
-child; a child's liveness thread beats the child's: decision 0010).
+deadline (`timeouts`, `overruns`), from outside the handler's thread, which is busy with it;
+reads the batch's pauses again when a batch starts nothing for a while (`pauses`); and, every
+heartbeat interval, beats the pass's holder when the pass registered its own (a pass outside a
+worker child; a child's liveness thread beats the child's: decision 0010).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """One pass: write what earlier passes left unwritten, sweep, claim a batch, run it, finalize it.
 
 `run_pass` is the entry point; `ProcessingPass` holds the steps and the state of one pass,
-which its lease keeper thread works on too (heartbeats, due completions, timeouts), and so do
-its runner threads when it runs several handlers at once (`runners`).
+which its lease keeper thread works on too (heartbeats, due completions, pauses, and the
+handlers' deadlines through the pass's `overruns.OverrunWatch`), and so do its runner threads
+when it runs several handlers at once (`runners`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 from marshmallow import ValidationError
 
@@ -23,7 +24,7 @@ from common import logging as fairq_logging
 from db import claims
 from worker import backoff, tasktypes
 from worker.errors import PermanentTaskError
-from worker.processing import database, outcome, sweep, task_log, task_result, timeouts
+from worker.processing import database, outcome, overruns, sweep, task_result, timeouts
 from worker.processing.completer import BatchCompleter, Completer, Completion
 from worker.processing.database import ConnectionSource, PassDatabase
 from worker.processing.finalize import Finalizer
@@ -40,31 +41,9 @@ from worker.processing.unwritten import UnwrittenOutcomes
 from worker.settings import PassSettings
 from worker.tasktypes.base import JsonValue, TaskContext, TaskType
 
-T = TypeVar("T")
 StopFlag = threading.Event | Callable[[], bool] | None
-# Told of a handler that overran its deadline (`timeouts`), once what the pass owed is written.
-OnOverrun = Callable[[timeouts.Overrun], None]
 # The batch's tasks not taken by a runner yet, in claim order, each with its lease.
 _Batch = Iterator[tuple[claims.ClaimedTask, claims.Lease]]
-
-
-class _Hand:
-    """One thread running a pass's handlers: the call it is in and the task it holds, if any.
-
-    `busy` and `running` are written by its own thread, read by the lease keeper (single
-    attribute stores, no lock); `overran` is set by the keeper under `lock`, which the hand's
-    thread takes only when its handler returned past the grace (`ProcessingPass._returned`).
-    """
-
-    __slots__ = ("busy", "lock", "overran", "running")
-
-    def __init__(self) -> None:
-        self.busy = False  # holds a task whose handler started, or is about to
-        # The handler's call while in it: (task, timeout, started, overrun_at), a plain tuple
-        # built per task on the hot path; the keeper makes a `timeouts.Running` of it.
-        self.running: tuple[claims.ClaimedTask, float, float, float] | None = None
-        self.overran = False  # its handler overran: the keeper wrote its outcome
-        self.lock = threading.Lock()
 
 
 def run_pass(
@@ -78,7 +57,7 @@ def run_pass(
     unwritten: UnwrittenOutcomes | None = None,
     sweep_schedule: SweepSchedule | None = None,
     keeper: LeaseKeeper | None = None,
-    on_overrun: OnOverrun | None = None,
+    on_overrun: overruns.OnOverrun | None = None,
     runners: Runners | None = None,
     holder: Holder | None = None,
 ) -> PassResult:
@@ -172,7 +151,11 @@ def _stop_predicate(stop: StopFlag) -> Callable[[], bool]:
 
 
 class ProcessingPass:
-    """The steps and state of one pass; its lease keeper calls the `KeptPass` methods."""
+    """The steps and state of one pass.
+
+    Its lease keeper calls the `lease_keeper.KeptPass` methods, and its overrun watch the
+    `overruns.OverranPass` ones.
+    """
 
     def __init__(
         self,
@@ -186,7 +169,7 @@ class ProcessingPass:
         unwritten: UnwrittenOutcomes | None = None,
         sweep_schedule: SweepSchedule | None = None,
         keeper: LeaseKeeper | None = None,
-        on_overrun: OnOverrun | None = None,
+        on_overrun: overruns.OnOverrun | None = None,
         runners: Runners | None = None,
         holder: Holder | None = None,
     ) -> None:
@@ -220,23 +203,14 @@ class ProcessingPass:
             db, self.leases, self.counter, observer, self.finalizer.lease_lost
         )
         # Held tasks whose handler has not started: released if the pass ends early. Shared
-        # by the runners, `_write_overrun` (the keeper's thread) and `_finish`: a task belongs to
-        # whoever pops it from here (`dict.pop` and `popitem` are atomic under the GIL). No
-        # lock per task: an uncontended one costs a few percent of a noop task.
+        # by the runners, the overrun watch (the keeper's thread) and `_finish`: a task
+        # belongs to whoever pops it from here (`dict.pop` and `popitem` are atomic under the
+        # GIL). No lock per task: an uncontended one costs a few percent of a noop task.
         self._unstarted: dict[uuid.UUID, claims.ClaimedTask] = {}
         # Once set, no handler starts: the pass is stopping, failing or one overran.
         self._closed = False
-        # One per thread running handlers, added as each starts (`_run_tasks`); replaced
-        # whole under `_hands_lock`, so the keeper reads it without one.
-        self._hands: tuple[_Hand, ...] = ()
-        self._hands_lock = threading.Lock()
-        self.on_overrun = on_overrun
-        # Handlers that overran, their outcomes written; `on_overrun` is told of the first
-        # once no other handler runs (then `_reported`).
-        self._overruns: list[timeouts.Overrun] = []
-        self._reported = False
-        # Set once `_write_overrun` has written what the pass owed: the pass then ends.
-        self._overrun_written = threading.Event()
+        # The hands of the threads running handlers, watched for overruns by the keeper.
+        self.overrun_watch = overruns.OverrunWatch(self, on_overrun)
 
     # -- for the lease keeper (`lease_keeper.KeptPass`) -----------------------------------
 
@@ -272,96 +246,37 @@ class ProcessingPass:
         try:
             self.finalizer.release(taken)
         except BaseException:
-            self._unstarted.update((t.id, t) for t in taken)
+            self.put_back_unstarted(taken)
             raise
 
     def write_overruns(self) -> None:
         """Write the timeout outcome of each handler past its deadline and the grace."""
-        now = time.monotonic()  # read before `running`: see `_returned`
-        for hand in self._hands:
-            armed = hand.running
-            if armed is None or now < armed[3] or hand.overran:
-                continue
-            with hand.lock:
-                if hand.running is not armed:
-                    continue  # it returned meanwhile: its own thread writes its outcome
-                hand.overran = True
-            self._write_overrun(timeouts.Running(*armed[:3]))
-        if self._overruns and not self._reported:
-            self._report_overrun()
+        self.overrun_watch.write()
 
-    def _write_overrun(self, running: timeouts.Running) -> None:
-        """Write what the pass owes, a handler past its deadline and the grace still running.
+    # -- for the overrun watch (`overruns.OverranPass`) -----------------------------------
 
-        In the lease keeper's thread; that handler's thread is in it, or skips its outcome
-        once it returns (`_returned`). No handler starts from now on. The task's timeout
-        outcome (retry or failure, fenced, its attempt counted), every buffered completion,
-        and the release of the tasks not started are written now, not left to the sweep: a
-        worker child is about to exit, once the other running handlers are done
-        (`_report_overrun`).
+    def take_unstarted(self) -> list[claims.ClaimedTask]:
+        """Take every task not started yet, and let no task start from now on.
+
+        From any thread: a task popped here is never started by a runner, which pops it
+        before it starts it.
         """
-        task = running.task
-        ran = time.monotonic() - running.started
-        unstarted = self._take_unstarted()
-        try:
-            fields = task_log.task_fields(
-                task, "task.overrun", ran, timeout_s=running.timeout,
-                grace_s=timeouts.OVERRUN_GRACE_SECONDS,
-            )  # fmt: skip
-            log.error(task_log.MSG_OVERRUN, fields, extra=fields)
-            decision = outcome.timed_out(
-                timeout=running.timeout,
-                ran=ran,
-                detail=f"overran: still running {timeouts.OVERRUN_GRACE_SECONDS:g} s past it",
-                attempt=task.attempts,
-                max_attempts=task.max_attempts,
-                backoff=self._backoff,
-            )
-            self.finalizer.settle(task, decision, seconds=ran)
-            self.completer.flush(force=True)
-            self.finalizer.release(unstarted)
-            unstarted = []
-        except Exception as exc:
-            # Left for the pass's thread, should the handler return (completions stay
-            # buffered); else the sweep takes the holder's leases back once its row is stale.
-            self._unstarted.update((t.id, t) for t in unstarted)
-            log.warning(
-                "could not write what the pass owes after task %s overran (%s); those "
-                "tasks go back to the queue when their leases are taken back",
-                task.id, type(exc).__name__,
-                extra={"event": "tasks.owed_dropped", "task_id": str(task.id)},
-            )  # fmt: skip
-        finally:
-            self._overruns.append(timeouts.Overrun(task, running.timeout, ran))
-            self._overrun_written.set()
-        self._report_overrun()
+        self._closed = True
+        taken: list[claims.ClaimedTask] = []
+        while True:
+            try:
+                taken.append(self._unstarted.popitem()[1])
+            except KeyError:
+                taken.reverse()  # popitem takes the last first: back in claim order
+                return taken
 
-    def _report_overrun(self) -> None:
-        """Tell `on_overrun` of the first handler that overran, once no other one runs.
+    def put_back_unstarted(self, tasks: Iterable[claims.ClaimedTask]) -> None:
+        """Make `tasks`, taken by `take_unstarted`, unstarted again."""
+        self._unstarted.update((t.id, t) for t in tasks)
 
-        In the lease keeper's thread, which meanwhile goes on watching the other handlers'
-        deadlines: a worker child exits there, and a task still running would be taken back
-        and run again. The completions written first are theirs.
-        """
-        if any(hand.busy and not hand.overran for hand in self._hands):
-            return
-        self._reported = True
-        first = self._overruns[0]
-        try:
-            self.completer.flush(force=True)
-            if not self.leases and self.holder is not None:
-                # Every lease of the batch written or released: the holder has none left,
-                # and the process that exits next need not wait for the sweep.
-                self.holder.deregister(write=self.db.write)
-        except Exception as exc:
-            log.warning(
-                "could not write the last completions of the pass whose task %s overran "
-                "(%s); those tasks run again once their leases are taken back",
-                first.task.id, type(exc).__name__,
-                extra={"event": "tasks.owed_dropped", "task_id": str(first.task.id)},
-            )  # fmt: skip
-        if self.on_overrun is not None:
-            self.on_overrun(first)
+    def backoff(self, attempt: int) -> float:
+        """Seconds before the retry after failed attempt number `attempt`."""
+        return backoff.delay(attempt, rng=self.rng)
 
     # -- the pass's own thread ------------------------------------------------------------
 
@@ -442,7 +357,7 @@ class ProcessingPass:
         No handler starts after it. On a database error what is still unwritten goes to
         `self.unwritten` (or, without one, is left to lease expiry) and the error propagates.
         """
-        unstarted = self._take_unstarted()
+        unstarted = self.take_unstarted()
         try:
             self.completer.flush(force=True)
             self.finalizer.release(unstarted)
@@ -544,9 +459,7 @@ class ProcessingPass:
         GIL). An error here (a database error, a handler's BaseException) closes the pass:
         the other runners finish their handlers and start none.
         """
-        hand = _Hand()
-        with self._hands_lock:
-            self._hands = (*self._hands, hand)
+        hand = self.overrun_watch.hand()
         try:
             for task, lease in tasks:
                 if self._closed or self.stop():
@@ -564,12 +477,12 @@ class ProcessingPass:
                 if task_type is None:
                     self._fail_unknown_type(task)
                     continue
-                # Busy before the task is ours: `_report_overrun`, which reads it after taking
+                # Busy before the task is ours: the overrun watch, which reads it after taking
                 # every unstarted task, then counts this one as running if it may be.
                 hand.busy = True
                 try:
                     if self._unstarted.pop(task.id, None) is None:
-                        return  # handed back by `_write_overrun` meanwhile
+                        return  # handed back after an overrun meanwhile
                     # From here on the task may have side effects: never released.
                     self._run_one(task, lease, task_type, hand)
                 finally:
@@ -578,25 +491,10 @@ class ProcessingPass:
             self._closed = True
             raise
 
-    def _take_unstarted(self) -> list[claims.ClaimedTask]:
-        """Take every task not started yet, and let no task start from now on.
-
-        From any thread: a task popped here is never started by a runner, which pops it
-        before it starts it.
-        """
-        self._closed = True
-        taken: list[claims.ClaimedTask] = []
-        while True:
-            try:
-                taken.append(self._unstarted.popitem()[1])
-            except KeyError:
-                taken.reverse()  # popitem takes the last first: back in claim order
-                return taken
-
     def _fail_unknown_type(self, task: claims.ClaimedTask) -> None:
         """Fail `task`, of a type no handler is registered for, unless handed back already."""
         if self._unstarted.pop(task.id, None) is None:
-            return  # handed back by `_write_overrun` meanwhile
+            return  # handed back after an overrun meanwhile
         failed = outcome.unknown_type(task.type, tasktypes.names())
         try:
             self.finalizer.settle(task, failed, seconds=None)
@@ -624,7 +522,7 @@ class ProcessingPass:
         task: claims.ClaimedTask,
         lease: claims.Lease,
         task_type: TaskType,
-        hand: _Hand,
+        hand: overruns.Hand,
     ) -> None:
         timeout = timeouts.timeout_of(task, task_type)
         started = time.monotonic()
@@ -648,10 +546,10 @@ class ProcessingPass:
         except Exception as exc:
             raised = exc
         finally:
-            overran = self._returned(hand, armed[3])
+            overran = hand.returned(armed[3])
         if overran:
             # The lease keeper wrote this task's outcome and what else the pass owed: stop.
-            self._overrun_written.wait()
+            self.overrun_watch.wait_written()
             return
         seconds = time.monotonic() - started
         if raised is None:  # the common case, first
@@ -663,20 +561,6 @@ class ProcessingPass:
         self._finalize_failure(
             timeouts.Running(task, timeout, started), raised=raised, seconds=seconds
         )
-
-    @staticmethod
-    def _returned(hand: _Hand, overrun_at: float) -> bool:
-        """Leave the handler's call; tell whether it overran (its outcome written already).
-
-        No lock in time (before `overrun_at`), where most handlers return: the keeper acts on
-        a call only if it read it running at a time past `overrun_at`, and this clock is read
-        after the call was cleared, so later still.
-        """
-        hand.running = None
-        if time.monotonic() < overrun_at:
-            return False
-        with hand.lock:  # waits for a keeper deciding right now
-            return hand.overran
 
     def _complete_with_result(
         self,
@@ -710,18 +594,15 @@ class ProcessingPass:
                 detail=outcome.describe_error(raised),
                 attempt=task.attempts,
                 max_attempts=task.max_attempts,
-                backoff=self._backoff,
+                backoff=self.backoff,
             )
             self.finalizer.settle(task, decision, seconds=seconds, exc=raised)
             return
         failed = outcome.decide(
-            raised, attempt=task.attempts, max_attempts=task.max_attempts, backoff=self._backoff
+            raised, attempt=task.attempts, max_attempts=task.max_attempts, backoff=self.backoff
         )
         assert not isinstance(failed, outcome.Complete)
         self.finalizer.settle(task, failed, seconds=seconds, exc=raised)
-
-    def _backoff(self, attempt: int) -> float:
-        return backoff.delay(attempt, rng=self.rng)
 
 
 def _load_payload(task: claims.ClaimedTask, task_type: TaskType[Any]) -> Any:

@@ -75,7 +75,7 @@ class Running(NamedTuple):
 @dataclass(frozen=True)
 class Overrun:
     """A handler still running `ran` seconds after it started, its `timeout` and the grace
-    past. The pass wrote its task's timeout outcome and what else it owed (`ProcessingPass`)."""
+    past. The pass wrote its task's timeout outcome and what else it owed (`overruns`)."""
 
     task: claims.ClaimedTask
     timeout: float
