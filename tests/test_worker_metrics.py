@@ -19,6 +19,7 @@ from devtools.stack import exporter_of
 from tests import supervisor_harness as harness
 from tests.factories import insert_company, insert_tasks
 from tests.supervisor_harness import StartSupervisor, wait_for
+from worker import exporter
 
 BATCH_SIZE = 20
 
@@ -105,6 +106,8 @@ def test_a_killed_exporter_is_replaced_and_the_port_answers_again(
     wait_for(lambda: sup.metrics()["worker_children"] == 1, 10, "the first scrape")
     first = exporter_of(sup.pid)
     assert first is not None
+    # The supervisor names itself only around the fork (its child has the name from birth).
+    assert Path(f"/proc/{sup.pid}/comm").read_text().strip() != exporter.PROCESS_NAME
 
     os.kill(first, signal.SIGKILL)
 

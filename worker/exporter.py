@@ -120,15 +120,21 @@ class Exporter:
 
     def _fork(self) -> None:
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, (*_IGNORED, signal.SIGTERM))
+        # Named before the fork, so the exporter has its name from its first instant: a tool
+        # that lists the supervisor's children never takes it for a worker child.
+        own_name = _process_name()
+        _name_process(PROCESS_NAME)
         try:
             pid = os.fork()
         except OSError as exc:
+            _name_process(own_name)
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             log.error("cannot fork the metrics exporter: %s; retrying", exc)
             self._respawn_at = time.monotonic() + RESPAWN_DELAY_SECONDS
             return
         if pid == 0:  # pragma: no cover  (runs in the exporter; covered by the process tests)
             self._become_exporter(mask)
+        _name_process(own_name)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         self.pid = pid
         log.info("metrics exporter %d serving port %d", pid, self.port)
@@ -138,7 +144,6 @@ class Exporter:
         try:
             from worker import child  # noqa: PLC0415  (what a child imports, only here)
 
-            _name_process(PROCESS_NAME)
             child.reset_inherited_signals()
             for sig in _IGNORED:
                 signal.signal(sig, signal.SIG_IGN)
@@ -237,9 +242,17 @@ class _Server(socketserver.ThreadingMixIn, WSGIServer):
             raise _Orphaned
 
 
-def _name_process(name: str) -> None:  # pragma: no cover  (runs in the exporter)
-    """Set this process's name where the kernel has one to set (Linux's PR_SET_NAME)."""
-    if sys.platform == "linux":
+def _process_name() -> str:
+    """This thread's name (Linux: the process's, for its main thread), or "" elsewhere."""
+    try:
+        return Path("/proc/self/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _name_process(name: str) -> None:
+    """Name this thread where the kernel has a name to set (Linux's PR_SET_NAME)."""
+    if name and sys.platform == "linux":
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_NAME, name.encode(), 0, 0, 0)
 
