@@ -41,7 +41,7 @@ typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-# Coverage of api, worker and db, counting the processes the tests start ([tool.coverage]).
+# Coverage of api, worker, common and db, counting the processes the tests start ([tool.coverage]).
 # Two test processes (pytest-xdist) keep both cores busy while tests wait on processes,
 # timers and the database; each has its own template and databases (tests/pg.py). Work
 # stealing: a process that runs out of tests takes queued ones from the other.
