@@ -66,22 +66,31 @@ def children_of(pid: int) -> list[int]:
     return sorted(found)
 
 
+def process_name(pid: int) -> str | None:
+    """The name of process `pid` (/proc/<pid>/comm), or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
 def exporter_of(supervisor: int) -> int | None:
     """The metrics exporter among the children of `supervisor` (by its process name), or None."""
-    for child in children_of(supervisor):
-        try:
-            name = Path(f"/proc/{child}/comm").read_text().strip()
-        except OSError:  # gone meanwhile
-            continue
-        if name == exporter.PROCESS_NAME:
-            return child
-    return None
+    exporters = [c for c in children_of(supervisor) if process_name(c) == exporter.PROCESS_NAME]
+    return exporters[0] if exporters else None
 
 
 def worker_children_of(pid: int) -> list[int]:
-    """Live worker children of supervisor `pid`: its children but its metrics exporter."""
-    exporter_pid = exporter_of(pid)
-    return [child for child in children_of(pid) if child != exporter_pid]
+    """Live worker children of supervisor `pid`: its children but its metrics exporter.
+
+    One listing, each child judged by its own name: the exporter has its name from birth
+    (`worker.exporter`), so a child forked between two listings cannot pass for a worker.
+    """
+    return [
+        child
+        for child in children_of(pid)
+        if process_name(child) not in (exporter.PROCESS_NAME, None)
+    ]
 
 
 def parse_metrics(body: str) -> dict[str, float]:
