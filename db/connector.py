@@ -157,11 +157,12 @@ PING_AFTER_IDLE_SECONDS = 1.0
 def checkout(
     pool: ConnectionPool[psycopg.Connection[Any]],
     *,
-    ping_after_idle: float = PING_AFTER_IDLE_SECONDS,
+    ping_after_idle: float | None = None,
 ) -> psycopg.Connection[Any]:
     """A connection of `pool`; give it back with `checkin`.
 
-    One idle in the pool longer than `ping_after_idle` seconds is checked first with an
+    One idle in the pool longer than `ping_after_idle` seconds (`PING_AFTER_IDLE_SECONDS`
+    when not given) is checked first with an
     empty query: after a restart or an outage every pooled connection has been idle, so none
     reaches its caller dead. A dead one is dropped, and with it every idle connection of the
     pool (they were most likely lost with it, and each would fail a caller of its own); the
@@ -172,6 +173,8 @@ def checkout(
     pool.open()  # once; then a no-op
     conn = pool.getconn()
     since = _IDLE_SINCE.pop(conn, None)
+    if ping_after_idle is None:
+        ping_after_idle = PING_AFTER_IDLE_SECONDS
     if since is None or time.monotonic() - since <= ping_after_idle:
         return conn
     try:

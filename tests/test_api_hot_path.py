@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -266,20 +267,21 @@ def test_a_pooled_connection_killed_while_idle_is_replaced_before_use(fresh_db_u
 
 
 def test_a_connection_lost_mid_request_fails_that_request_and_no_other(
-    own_app: Flask, fresh_db_url: str
+    own_app: Flask, fresh_db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     company = _own_company(own_app)
+    # No ping before use, as for a connection used just now (however slow this box runs):
+    # every pooled connection's server process dies together, as in a restart between two
+    # requests, and the first request finds out by using its connection.
+    monkeypatch.setattr(connector, "PING_AFTER_IDLE_SECONDS", math.inf)
     pool = pool_of(own_app)
-    # Every pooled connection, used just now (so not pinged), their server processes dying
-    # together, as in a restart between two requests.
-    conns = [connector.checkout(pool) for _ in range(pool.min_size)]
-    pids = [conn.info.backend_pid for conn in conns]
-    for conn in conns:
-        connector.checkin(pool, conn)
+    pool.open(wait=True)  # all of its connections made, none still to come
     with connector.connect(fresh_db_url, application_name="fairq-tests") as killer:
-        killer.execute(
-            "SELECT pg_terminate_backend(pid) FROM unnest(%(pids)s::int[]) AS pid", {"pids": pids}
-        )
+        killed = killer.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND application_name = 'fairq-api'"
+        ).fetchall()
+    assert killed == [(True,)] * pool.min_size
 
     client = own_app.test_client()
     url = f"/companies/{company.id}/tasks"
