@@ -18,9 +18,10 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import psycopg
+from psycopg.rows import args_row
 
 from db.engine import driver_errors
 
@@ -39,15 +40,30 @@ WAKE_LOCK_BUCKETS = 64
 MAX_ERROR_CHARS = 2000
 
 
-class Lease(NamedTuple):
-    """A task a worker holds: its id and the fencing token it was claimed with."""
+class Held(Protocol):
+    """A task whose lease a caller holds, as every fenced statement takes it: its `id` and
+    the `lease_token` it was claimed with (a `ClaimedTask`, or a `Lease`)."""
 
-    task_id: uuid.UUID
-    token: uuid.UUID
+    @property
+    def id(self) -> uuid.UUID:
+        """The task's id."""
+        ...
+
+    @property
+    def lease_token(self) -> uuid.UUID:
+        """The fencing token of its lease."""
+        ...
+
+
+class Lease(NamedTuple):
+    """A held task known by its id and fencing token only (one not claimed by this process)."""
+
+    id: uuid.UUID
+    lease_token: uuid.UUID
 
 
 class ClaimedTask(NamedTuple):
-    """A row the claim moved to `processing`, as the processing pass needs it.
+    """A row the claim moved to `processing`, as the processing pass needs it; it is `Held`.
 
     `attempts` already counts this attempt (1 on the first run). A tuple: a claim builds a
     hundred of these, and a frozen dataclass costs several times more to construct.
@@ -61,14 +77,7 @@ class ClaimedTask(NamedTuple):
     max_attempts: int
     lease_token: uuid.UUID
     created_at: dt.datetime
-    # How long this attempt may run, in seconds; None on rows older than migration 0006
-    # (the pass uses the type's default, `TaskType.default_timeout`).
-    timeout_seconds: int | None
-
-    @property
-    def lease(self) -> Lease:
-        """The `(id, token)` pair every fenced statement needs."""
-        return Lease(self.id, self.lease_token)
+    timeout_seconds: int  # how long this attempt may run, in seconds
 
 
 # Waiting companies made ready per claim at most (db/sql/claim.sql): a mass wake-up is spread
@@ -108,11 +117,17 @@ def claim(
     before the rows are decoded. Without it the caller commits. Raises `DBAPIError`.
     """
     with driver_errors("claim"):
-        cursor = conn.execute(_CLAIM, {"worker_id": worker_id, "batch_size": batch_size})
+        cursor = conn.cursor(row_factory=_CLAIMED_TASKS).execute(
+            _CLAIM, {"worker_id": worker_id, "batch_size": batch_size}
+        )
         if commit is not None:
             commit()
         # A cursor keeps its result after the commit: decoding needs no server.
-        return [ClaimedTask._make(row) for row in cursor.fetchall()]
+        return cursor.fetchall()
+
+
+# Each row of the claim made into a `ClaimedTask` as psycopg reads it (columns in its order).
+_CLAIMED_TASKS = args_row(ClaimedTask)
 
 
 def _clip_error(error: str) -> str:
@@ -123,8 +138,20 @@ def _clip_error(error: str) -> str:
     return error
 
 
-def _unzip(leases: Sequence[Lease]) -> dict[str, list[uuid.UUID]]:
-    return {"ids": [lease.task_id for lease in leases], "tokens": [lease.token for lease in leases]}
+# Any kind of held task; a fenced statement returns the caller's own objects.
+_H = TypeVar("_H", bound=Held)
+
+
+def _unzip(tasks: Sequence[Held]) -> dict[str, list[uuid.UUID]]:
+    return {"ids": [task.id for task in tasks], "tokens": [task.lease_token for task in tasks]}
+
+
+def _lost(tasks: Sequence[_H], cursor: psycopg.Cursor[Any]) -> list[_H]:
+    """Which of `tasks` a fenced statement's `RETURNING t.id` left out: their lease was lost."""
+    if cursor.rowcount == len(tasks):  # the common case: every lease still held
+        return []
+    matched = {row[0] for row in cursor}
+    return [task for task in tasks if task.id not in matched]
 
 
 # The fenced statements over a set of leases match `t.id = ANY(ids) AND t.lease_token =
@@ -171,30 +198,30 @@ RETURNING t.id
 
 def complete_tasks(
     conn: psycopg.Connection[Any],
-    leases: Sequence[Lease],
+    tasks: Sequence[_H],
     results: Sequence[str | None] | None = None,
-) -> set[uuid.UUID]:
-    """Mark these held tasks `completed` in one statement; return the ids that matched.
+) -> list[_H]:
+    """Mark these held tasks `completed` in one statement; return those whose lease was lost.
 
-    `results`, if given, pairs with `leases`: the JSON text stored as each task's `result`
+    `results`, if given, pairs with `tasks`: the JSON text stored as each task's `result`
     (None: no result). Each must be JSON that `jsonb` accepts (no `\\u0000` escape): one
     refused fails the whole statement, so the worker checks every result first
-    (`worker.processing.task_result`). Ids missing from the result lost their lease and were
-    left unchanged. Sent to psycopg directly, with binary arrays, like the claim: it is a
-    worker's other statement per batch.
+    (`worker.processing.task_result`). A task returned lost its lease and was left unchanged.
+    Sent to psycopg directly, with binary arrays, like the claim: it is a worker's other
+    statement per batch.
     """
-    if not leases:
-        return set()
+    if not tasks:
+        return []
     with driver_errors("complete_tasks"):
         if results is None or all(result is None for result in results):
-            rows = conn.execute(_COMPLETE, _unzip(leases))
+            cursor = conn.execute(_COMPLETE, _unzip(tasks))
         else:
-            if len(results) != len(leases):
-                raise ValueError(f"{len(results)} results for {len(leases)} leases")
-            rows = conn.execute(
-                _COMPLETE_WITH_RESULTS, {**_unzip(leases), "results": list(results)}
+            if len(results) != len(tasks):
+                raise ValueError(f"{len(results)} results for {len(tasks)} tasks")
+            cursor = conn.execute(
+                _COMPLETE_WITH_RESULTS, {**_unzip(tasks), "results": list(results)}
             )
-        return {row[0] for row in rows}
+        return _lost(tasks, cursor)
 
 
 _FAIL = """
@@ -264,13 +291,13 @@ RETURNING t.id
 )
 
 
-def release_tasks(conn: psycopg.Connection[Any], leases: Sequence[Lease]) -> set[uuid.UUID]:
-    """Hand back held tasks that were never started (shutdown); return the ids released.
+def release_tasks(conn: psycopg.Connection[Any], tasks: Sequence[_H]) -> list[_H]:
+    """Hand back held tasks that were never started (shutdown); return those whose lease was
+    lost (left unchanged).
 
     design §4 Release: back to `pending` with the attempt undone and `run_after` untouched.
-    Ids missing from the result lost their lease and were left unchanged.
     """
-    if not leases:
-        return set()
+    if not tasks:
+        return []
     with driver_errors("release_tasks"):
-        return {row[0] for row in conn.execute(_RELEASE, _unzip(leases))}
+        return _lost(tasks, conn.execute(_RELEASE, _unzip(tasks)))

@@ -72,6 +72,9 @@ MIN_IN_FLIGHT, MAX_IN_FLIGHT = 1, 100_000
 MIN_PENDING, MAX_PENDING = 1, 10_000_000
 # Bounds of a task's timeout_seconds: how long one attempt may run.
 MIN_TIMEOUT_SECONDS, MAX_TIMEOUT_SECONDS = 1, 86_400
+# The timeout of a task of a type that sets no default of its own, and of a row inserted
+# without one (the column's default).
+DEFAULT_TIMEOUT_SECONDS = 60
 
 Timestamp = TIMESTAMP(timezone=True)
 
@@ -256,8 +259,11 @@ class Task(Base):
     finished_at: Mapped[dt.datetime | None] = mapped_column(Timestamp)
     # What the handler returned (any JSON value, at most 64 KiB serialized), once completed.
     result: Mapped[Any] = mapped_column(JSONB, nullable=True)
-    # How long one attempt may run; None (tasks older than migration 0006): the type's default.
-    timeout_seconds: Mapped[int | None] = mapped_column()
+    # How long one attempt may run, in seconds (the API sets the type's default when a
+    # create gives none).
+    timeout_seconds: Mapped[int] = mapped_column(
+        nullable=False, server_default=text(str(DEFAULT_TIMEOUT_SECONDS))
+    )
 
     __table_args__ = (
         CheckConstraint(f"status IN ({_status_values})", name="status"),

@@ -23,6 +23,7 @@ from psycopg.types.json import Jsonb
 
 from db import errors
 from db.engine import driver_errors
+from db.models import DEFAULT_TIMEOUT_SECONDS
 from db.models import TaskStatus
 
 
@@ -41,7 +42,7 @@ class TaskRecord(NamedTuple):
     status: str
     attempts: int
     max_attempts: int
-    timeout_seconds: int | None
+    timeout_seconds: int
     run_after: dt.datetime
     idempotency_key: str | None
     request_hash: str | None
@@ -129,7 +130,7 @@ def create_task(
     payload: dict[str, Any],
     run_at: dt.datetime | None = None,
     max_attempts: int = 5,
-    timeout_seconds: int | None = None,
+    timeout_seconds: int = DEFAULT_TIMEOUT_SECONDS,
     idempotency_key: str | None = None,
     request_hash: str | None = None,
     notify_channel: str | None = None,
@@ -192,7 +193,7 @@ class NewTask(NamedTuple):
     payload: dict[str, Any]
     run_at: dt.datetime | None
     max_attempts: int
-    timeout_seconds: int | None
+    timeout_seconds: int
     idempotency_key: str | None
     request_hash: str | None
 

@@ -268,9 +268,7 @@ def _catch_up(engine: Engine) -> None:
                 batch_size=1,
             )
             session.commit()
-            claims.release_tasks(
-                driver_connection(session, transaction=False), [task.lease for task in batch]
-            )
+            claims.release_tasks(driver_connection(session, transaction=False), list(batch))
             session.commit()
         left = _count(engine, _NOT_YET_PROMOTED)
         if left >= waiting:

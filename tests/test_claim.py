@@ -70,7 +70,7 @@ def test_claim_moves_pending_task_to_processing_under_a_new_lease(
     assert claimed.attempts == stored["attempts"] == 1
     assert claimed.max_attempts == 5
     assert claimed.lease_token == stored["lease_token"] is not None
-    assert claimed.lease == claims.Lease(task.id, claimed.lease_token)
+    assert claimed.id == task.id
     assert stored["status"] == "processing"
     assert stored["locked_by"] == "host:42"
     assert stored["locked_at"] is not None

@@ -85,24 +85,24 @@ def test_a_drained_company_has_its_floor_at_the_end_and_a_new_task_lowers_it(
     assert [t.id for t in claim(session, 10)] == [new]
 
 
-def _release(session: Session, lease: claims.Lease) -> None:
-    assert claims.release_tasks(driver_connection(session, transaction=False), [lease]) == {
-        lease.task_id
-    }
+def _release(session: Session, lease: claims.ClaimedTask) -> None:
+    assert claims.release_tasks(driver_connection(session, transaction=False), [lease]) == []
 
 
-def _expire(session: Session, lease: claims.Lease) -> None:
+def _expire(session: Session, lease: claims.ClaimedTask) -> None:
     session.execute(
         text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
-        {"id": lease.task_id},
+        {"id": lease.id},
     )
     taken = workers.take_back_leases(driver_connection(session), stale_after=60)
-    assert [e.id for e in taken] == [lease.task_id]
+    assert [e.id for e in taken] == [lease.id]
 
 
 @pytest.mark.parametrize("make_pending", [_release, _expire], ids=["release", "expired-lease"])
 def test_a_task_made_pending_below_the_floor_lowers_it_and_is_claimed_first(
-    fresh_engine: Engine, session: Session, make_pending: Callable[[Session, claims.Lease], None]
+    fresh_engine: Engine,
+    session: Session,
+    make_pending: Callable[[Session, claims.ClaimedTask], None],
 ) -> None:
     """A released or expired task keeps (or goes back to) an early place in line: below the
     floor the claims before raised. Its trigger lowers the floor; the next claim takes it."""
@@ -111,7 +111,7 @@ def test_a_task_made_pending_below_the_floor_lowers_it_and_is_claimed_first(
     first, *_ = claim(session, 40)
     assert first.id == ids[0]
     assert floor_of(session, company) == key_of(session, ids[40])
-    make_pending(session, first.lease)
+    make_pending(session, first)
     session.commit()
     assert floor_of(session, company) == key_of(session, ids[0])
     assert [t.id for t in claim(session, 2)] == [ids[0], ids[40]]
@@ -208,14 +208,14 @@ def test_a_completion_finds_its_leases_by_id_not_through_a_processing_index(
     filtered it by id: a scan that grew with every task finished while a snapshot was held."""
     company = insert_company(fresh_engine).id
     insert_tasks(fresh_engine, company, 300)
-    first = [t.lease for t in claim(session, 100)]
+    first = list(claim(session, 100))
     claims.complete_tasks(driver_connection(session, transaction=False), first)
     session.commit()
-    leases = [t.lease for t in claim(session, 100)]
+    leases = list(claim(session, 100))
     session.execute(text("ANALYZE tasks"))
     session.commit()
     before = _processing_entries_read(session)
-    assert len(claims.complete_tasks(driver_connection(session, transaction=False), leases)) == 100
-    assert claims.release_tasks(driver_connection(session, transaction=False), leases) == set()
+    assert claims.complete_tasks(driver_connection(session, transaction=False), leases) == []
+    assert claims.release_tasks(driver_connection(session, transaction=False), leases) == leases
     assert _processing_entries_read(session) == before
     session.commit()

@@ -318,9 +318,7 @@ def test_sixteen_claimers_never_exceed_max_in_flight(fresh_engine: Engine) -> No
         for _ in range(rounds):
             tasks = claim(session, batch, f"w{index}")
             threading.Event().wait(rng.uniform(0, 0.01))
-            claims.complete_tasks(
-                driver_connection(session, transaction=False), [task.lease for task in tasks]
-            )
+            claims.complete_tasks(driver_connection(session, transaction=False), list(tasks))
             session.commit()
 
     sampler = threading.Thread(target=sample)

@@ -280,9 +280,7 @@ def test_a_turn_continued_from_the_previous_batch_is_handed_out_in_serving_order
 
 
 def _complete(session: Session, tasks: Sequence[claims.ClaimedTask]) -> None:
-    assert claims.complete_tasks(
-        driver_connection(session, transaction=False), [t.lease for t in tasks]
-    ) == {t.id for t in tasks}
+    assert claims.complete_tasks(driver_connection(session, transaction=False), list(tasks)) == []
     session.commit()
 
 
@@ -398,7 +396,7 @@ class _Claimers:
                             self.batches.append(batch)
                         time.sleep(pause())
                         claims.complete_tasks(
-                            driver_connection(session, transaction=False), [t.lease for t in batch]
+                            driver_connection(session, transaction=False), list(batch)
                         )
                         session.commit()
                         continue
@@ -616,7 +614,9 @@ def test_eight_claimers_with_weights_and_limits_claim_every_task_once_while_work
 # -- the wake-up lock: no task is forgotten --------------------------------------------------
 
 
-def _ready_with_nothing_pending(sessions: sessionmaker[Session]) -> tuple[uuid.UUID, claims.Lease]:
+def _ready_with_nothing_pending(
+    sessions: sessionmaker[Session],
+) -> tuple[uuid.UUID, claims.ClaimedTask]:
     """A company whose only task was just claimed, still marked ready (it was not short)."""
     with sessions() as setup:
         company = insert_company(setup, "k").id
@@ -626,7 +626,7 @@ def _ready_with_nothing_pending(sessions: sessionmaker[Session]) -> tuple[uuid.U
         )
         setup.commit()
         assert queue_state(setup, company).ready
-    return company, task.lease
+    return company, task
 
 
 def test_a_task_inserted_while_a_claim_finds_its_company_out_of_work_is_claimed_later(
@@ -691,28 +691,26 @@ def test_settling_a_company_without_its_wake_up_lock_would_lose_a_task_being_ins
         assert pending == "pending"
 
 
-def _release(session: Session, lease: claims.Lease, company: uuid.UUID) -> None:
-    assert claims.release_tasks(driver_connection(session, transaction=False), [lease]) == {
-        lease.task_id
-    }
+def _release(session: Session, lease: claims.ClaimedTask, company: uuid.UUID) -> None:
+    assert claims.release_tasks(driver_connection(session, transaction=False), [lease]) == []
 
 
-def _retry(session: Session, lease: claims.Lease, company: uuid.UUID) -> None:
+def _retry(session: Session, lease: claims.ClaimedTask, company: uuid.UUID) -> None:
     assert claims.schedule_retry(
         driver_connection(session, transaction=False),
-        lease.task_id,
-        lease.token,
+        lease.id,
+        lease.lease_token,
         delay_seconds=0,
         error="HTTP 503",
     )
 
 
-def _api_retry(session: Session, lease: claims.Lease, company: uuid.UUID) -> None:
-    queue.retry_task(driver_connection(session, transaction=False), company, lease.task_id)
+def _api_retry(session: Session, lease: claims.ClaimedTask, company: uuid.UUID) -> None:
+    queue.retry_task(driver_connection(session, transaction=False), company, lease.id)
 
 
-def _expire(session: Session, lease: claims.Lease, company: uuid.UUID) -> None:
-    assert [e.id for e in take_back(session, stale_after=60)] == [lease.task_id]
+def _expire(session: Session, lease: claims.ClaimedTask, company: uuid.UUID) -> None:
+    assert [e.id for e in take_back(session, stale_after=60)] == [lease.id]
 
 
 @pytest.mark.parametrize(
@@ -721,7 +719,7 @@ def _expire(session: Session, lease: claims.Lease, company: uuid.UUID) -> None:
     ids=["release", "retry", "api-retry", "expired-lease"],
 )
 def test_a_task_made_pending_in_an_open_transaction_is_claimed_after_it_commits(
-    fresh_engine: Engine, make_pending: Callable[[Session, claims.Lease, uuid.UUID], None]
+    fresh_engine: Engine, make_pending: Callable[[Session, claims.ClaimedTask, uuid.UUID], None]
 ) -> None:
     """As above for a task made pending by an UPDATE: the row trigger holds the lock too."""
     sessions = make_sessionmaker(fresh_engine)
@@ -730,14 +728,14 @@ def test_a_task_made_pending_in_an_open_transaction_is_claimed_after_it_commits(
         if make_pending is _api_retry:
             assert claims.fail_task(
                 driver_connection(setup, transaction=False),
-                lease.task_id,
-                lease.token,
+                lease.id,
+                lease.lease_token,
                 error="boom",
             )
         if make_pending is _expire:
             setup.execute(
                 text("UPDATE tasks SET locked_at = now() - interval '1 hour' WHERE id = :id"),
-                {"id": lease.task_id},
+                {"id": lease.id},
             )
         setup.commit()
     with sessions() as claimer, sessions() as writer:
@@ -747,7 +745,7 @@ def test_a_task_made_pending_in_an_open_transaction_is_claimed_after_it_commits(
         assert queue_state(claimer, company).ready
 
         writer.commit()
-        assert claim(claimer) == [lease.task_id]
+        assert claim(claimer) == [lease.id]
 
 
 def test_a_repeatable_read_writer_whose_snapshot_predates_a_settle_fails_and_retries(

@@ -53,9 +53,9 @@ def test_complete_clears_the_lease_and_the_last_error(
 ) -> None:
     task = claimed_task(make_company().id, last_error="earlier failure")
 
-    assert claims.complete_tasks(
-        driver_connection(db_session, transaction=False), [lease(task)]
-    ) == {task.id}
+    assert (
+        claims.complete_tasks(driver_connection(db_session, transaction=False), [lease(task)]) == []
+    )
 
     stored = fetch(db_session, task.id)
     assert stored["status"] == "completed"
@@ -74,9 +74,9 @@ def test_complete_tasks_completes_only_the_leases_still_held(
 
     assert claims.complete_tasks(
         driver_connection(db_session, transaction=False), [lease(held), stale_lease]
-    ) == {held.id}
+    ) == [stale_lease]
     assert fetch(db_session, lost.id)["status"] == "processing"
-    assert claims.complete_tasks(driver_connection(db_session, transaction=False), []) == set()
+    assert claims.complete_tasks(driver_connection(db_session, transaction=False), []) == []
 
 
 def test_fail_records_the_error_clipped_and_without_nul(
@@ -87,7 +87,7 @@ def test_fail_records_the_error_clipped_and_without_nul(
     assert claims.fail_task(
         driver_connection(db_session, transaction=False),
         task.id,
-        lease(task).token,
+        lease(task).lease_token,
         error="bad\x00" + "x" * 5000,
     )
 
@@ -108,7 +108,7 @@ def test_retry_puts_the_task_back_to_pending_after_the_delay(
     assert claims.schedule_retry(
         driver_connection(db_session, transaction=False),
         task.id,
-        lease(task).token,
+        lease(task).lease_token,
         delay_seconds=90.5,
         error="TimeoutError",
     )
@@ -136,9 +136,9 @@ def test_release_restores_attempts_and_keeps_run_after(
     )
     assert {t.attempts for t in claimed} == {1}
 
-    assert claims.release_tasks(
-        driver_connection(db_session, transaction=False), [t.lease for t in claimed]
-    ) == {t.id for t in tasks}
+    assert (
+        claims.release_tasks(driver_connection(db_session, transaction=False), list(claimed)) == []
+    )
 
     for task in tasks:
         stored = fetch(db_session, task.id)
@@ -146,7 +146,7 @@ def test_release_restores_attempts_and_keeps_run_after(
         assert stored["attempts"] == 0
         assert stored["run_after"] == before[task.id]["run_after"]
         assert stored["lease_token"] is stored["locked_by"] is stored["locked_at"] is None
-    assert claims.release_tasks(driver_connection(db_session, transaction=False), []) == set()
+    assert claims.release_tasks(driver_connection(db_session, transaction=False), []) == []
 
 
 def test_a_late_worker_changes_nothing_after_its_lease_was_taken_over(
@@ -158,45 +158,46 @@ def test_a_late_worker_changes_nothing_after_its_lease_was_taken_over(
     new = take_over(db_session, task)
     after_takeover = fetch(db_session, task.id)
 
-    assert claims.complete_tasks(driver_connection(db_session, transaction=False), [old]) == set()
+    assert claims.complete_tasks(driver_connection(db_session, transaction=False), [old]) == [old]
     assert (
         claims.fail_task(
-            driver_connection(db_session, transaction=False), old.task_id, old.token, error="late"
+            driver_connection(db_session, transaction=False), old.id, old.lease_token, error="late"
         )
         is False
     )
     assert (
         claims.schedule_retry(
             driver_connection(db_session, transaction=False),
-            old.task_id,
-            old.token,
+            old.id,
+            old.lease_token,
             delay_seconds=1,
             error="late",
         )
         is False
     )
-    assert claims.release_tasks(driver_connection(db_session, transaction=False), [old]) == set()
+    assert claims.release_tasks(driver_connection(db_session, transaction=False), [old]) == [old]
 
     assert fetch(db_session, task.id) == after_takeover
     assert after_takeover["lease_token"] == new.lease_token
     assert after_takeover["locked_by"] == "new:2"
     assert after_takeover["attempts"] == 2
     # The new holder still finalizes normally.
-    assert claims.complete_tasks(driver_connection(db_session, transaction=False), [new.lease]) == {
-        task.id
-    }
+    assert claims.complete_tasks(driver_connection(db_session, transaction=False), [new]) == []
 
 
 def test_finalizers_miss_on_tasks_that_are_no_longer_processing(
     db_session: Session, make_company: MakeCompany, claimed_task: MakeTask
 ) -> None:
     task = claimed_task(make_company().id)
-    assert claims.complete_tasks(
-        driver_connection(db_session, transaction=False), [lease(task)]
-    ) == {task.id}
+    assert (
+        claims.complete_tasks(driver_connection(db_session, transaction=False), [lease(task)]) == []
+    )
     assert (
         claims.fail_task(
-            driver_connection(db_session, transaction=False), task.id, lease(task).token, error="x"
+            driver_connection(db_session, transaction=False),
+            task.id,
+            lease(task).lease_token,
+            error="x",
         )
         is False
     )
@@ -335,10 +336,9 @@ def test_the_sweep_requeues_a_task_with_attempts_left_and_keeps_its_history(
     assert stored["finished_at"] is None
     assert stored["lease_token"] is stored["locked_by"] is stored["locked_at"] is None
     # The old holder's lease is fenced off.
-    assert (
-        claims.complete_tasks(driver_connection(db_session, transaction=False), [lease(task)])
-        == set()
-    )
+    assert claims.complete_tasks(
+        driver_connection(db_session, transaction=False), [lease(task)]
+    ) == [lease(task)]
 
 
 # -- backoff -----------------------------------------------------------------------------

@@ -7,22 +7,27 @@ letting PostgreSQL itself render what the models declare next to what the migrat
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import psycopg
 import pytest
 from alembic import command
 from alembic.script import ScriptDirectory
+from marshmallow import ValidationError
 from sqlalchemy import CheckConstraint, Connection, Engine, Index, pool, text
 from sqlalchemy.schema import AddConstraint, CreateIndex
 
 from db import api_keys, models
 from db.engine import make_engine
+from db.models import DEFAULT_TIMEOUT_SECONDS
 from tests import pg
+from worker import tasktypes
 
 # The "model" twin of a schema object is created next to the real one under this suffix.
 TWIN = "__model"
@@ -517,3 +522,67 @@ def test_the_api_keys_migration_keeps_every_company_key_working_and_downgrades(
             conn.execute(text("SELECT id, api_key_hash FROM companies")).all()
         )
     assert kept == {ids["ha"]: "ha2", ids["hb"]: "hb"}
+
+
+def test_the_timeout_migration_gives_each_old_task_its_types_default(empty_db_url: str) -> None:
+    """Migration 0016 fills the timeouts tasks older than 0006 lack, as each type's default
+    (`TaskType.default_timeout`) computes them, and makes the column NOT NULL, default 60."""
+    config = pg.alembic_config(empty_db_url)
+    command.upgrade(config, "0015")
+    old: dict[str, tuple[str, dict[str, Any]]] = {
+        "sleep": ("sleep", {"seconds": 1.5}),
+        "unreadable sleep": ("sleep", {}),
+        "webhook": ("webhook", {"url": "https://example.com"}),
+        "send_email": ("send_email", {"to": "a@example.com", "subject": "s"}),
+        "noop": ("noop", {}),
+    }
+    with connect(empty_db_url) as conn:
+        company = conn.execute(
+            text("INSERT INTO companies (name) VALUES ('old') RETURNING id")
+        ).scalar_one()
+        ids = {
+            name: conn.execute(
+                text(
+                    "INSERT INTO tasks (company_id, type, payload) "
+                    "VALUES (:company, :type, CAST(:payload AS jsonb)) RETURNING id"
+                ),
+                {"company": company, "type": task_type, "payload": json.dumps(payload)},
+            ).scalar_one()
+            for name, (task_type, payload) in old.items()
+        }
+        conn.commit()
+
+    command.upgrade(config, "0016")
+    with connect(empty_db_url) as conn:
+        stored: dict[uuid.UUID, int] = dict(
+            conn.execute(text("SELECT id, timeout_seconds FROM tasks")).all()
+        )
+        new = conn.execute(
+            text(
+                "INSERT INTO tasks (company_id, type, payload) "
+                "VALUES (:company, 'noop', '{}') RETURNING timeout_seconds"
+            ),
+            {"company": company},
+        ).scalar_one()
+        conn.commit()
+    expected: dict[str, int] = {}
+    for name, (task_type, payload) in old.items():
+        registered = tasktypes.get(task_type)
+        assert registered is not None
+        try:
+            expected[name] = registered.default_timeout(registered.load_payload(payload))
+        except ValidationError:
+            expected[name] = DEFAULT_TIMEOUT_SECONDS
+    assert {name: stored[ids[name]] for name in old} == expected
+    assert new == DEFAULT_TIMEOUT_SECONDS
+
+    command.downgrade(config, "0015")
+    with connect(empty_db_url) as conn:
+        conn.execute(
+            text("INSERT INTO tasks (company_id, type, payload) VALUES (:company, 'noop', '{}')"),
+            {"company": company},
+        )
+        nulls = conn.execute(
+            text("SELECT count(*) FROM tasks WHERE timeout_seconds IS NULL")
+        ).scalar_one()
+    assert nulls == 1  # the column takes NULL again; the filled values stay

@@ -264,9 +264,7 @@ def test_tasks_running_when_their_company_is_paused_finish_as_usual(
 
     pause(db_session, company)
 
-    assert claims.complete_tasks(
-        driver_connection(db_session, transaction=False), [done.lease]
-    ) == {done.id}
+    assert claims.complete_tasks(driver_connection(db_session, transaction=False), [done]) == []
     assert claims.fail_task(
         driver_connection(db_session, transaction=False),
         broken.id,
@@ -294,9 +292,7 @@ def _retry_with_backoff(session: Session, task: claims.ClaimedTask) -> None:
 
 
 def _release(session: Session, task: claims.ClaimedTask) -> None:
-    assert claims.release_tasks(driver_connection(session, transaction=False), [task.lease]) == {
-        task.id
-    }
+    assert claims.release_tasks(driver_connection(session, transaction=False), [task]) == []
 
 
 def _lose_lease(session: Session, task: claims.ClaimedTask) -> None:
@@ -771,7 +767,7 @@ class Claimers:
                         self.batches.append(batch)
                     claims.complete_tasks(
                         driver_connection(session, transaction=False),
-                        [task.lease for task in batch],
+                        list(batch),
                     )
                     session.commit()
         except BaseException as exc:  # reported by the test

@@ -10,7 +10,6 @@ threads and processes; timeouts of about a second (`timeout_seconds` is at least
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import math
 import os
 import re
@@ -23,14 +22,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from flask.testing import FlaskClient
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from db import claims
 from tests import supervisor_harness as harness
 from tests import test_processing
 from tests.factories import CreatedTask, MakeCompany, insert_company, insert_tasks, json_of
@@ -39,8 +36,7 @@ from tests.test_processing import Register, TopOfRange, rows, run_pass
 from worker import processing, tasktypes
 from worker.errors import PermanentTaskError
 from worker.processing import outcome, timeouts
-from worker.tasktypes import send_email, sleep, webhook
-from worker.tasktypes.base import DEFAULT_TIMEOUT_SECONDS, TaskContext, TaskType
+from worker.tasktypes.base import TaskContext, TaskType
 from worker.tasktypes.noop import NoopPayload
 
 # The processing tests' fixtures: sessions on a fresh database, a task type per test.
@@ -79,41 +75,6 @@ def set_timeout(sessions: sessionmaker[Session], ids: list[uuid.UUID], seconds: 
             {"s": seconds, "ids": ids},
         )
         session.commit()
-
-
-# -- which timeout -------------------------------------------------------------------------
-
-
-def _claimed(task_type: str, payload: dict[str, Any], timeout_seconds: int | None) -> Any:
-    return claims.ClaimedTask(
-        uuid.uuid4(), uuid.uuid4(), task_type, payload, 1, 5, uuid.uuid4(),
-        dt.datetime.now(dt.UTC), timeout_seconds,
-    )  # fmt: skip
-
-
-def test_a_tasks_own_timeout_comes_first() -> None:
-    task = _claimed("sleep", {"seconds": 100}, 7)
-
-    assert timeouts.timeout_of(task, sleep.TASK_TYPE) == 7
-
-
-@pytest.mark.parametrize(
-    ("task_type", "payload", "expected"),
-    [
-        pytest.param(sleep.TASK_TYPE, {"seconds": 1.5}, 32, id="sleep: its seconds + 30"),
-        pytest.param(webhook.TASK_TYPE, {"url": "https://example.com"}, 60, id="webhook"),
-        pytest.param(
-            send_email.TASK_TYPE, {"to": "a@example.com", "subject": "s"}, 90, id="send_email"
-        ),
-        pytest.param(tasktypes.REGISTRY["noop"], {}, 60, id="others"),
-        # A payload its type's default cannot read: the generic default, never a failure.
-        pytest.param(sleep.TASK_TYPE, {}, DEFAULT_TIMEOUT_SECONDS, id="unreadable payload"),
-    ],
-)
-def test_an_old_task_without_a_timeout_gets_its_types_default(
-    task_type: TaskType, payload: dict[str, Any], expected: int
-) -> None:
-    assert timeouts.timeout_of(_claimed(task_type.name, payload, None), task_type) == expected
 
 
 def test_the_handler_is_given_its_timeout_and_deadline(

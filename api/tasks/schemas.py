@@ -200,7 +200,6 @@ class TaskSchema(Schema):
     max_attempts = fields.Integer(dump_only=True)
     timeout_seconds = fields.Integer(
         dump_only=True,
-        allow_none=True,
         metadata={"description": "How long one attempt may run, in seconds."},
     )
     run_after = fields.AwareDateTime(dump_only=True)

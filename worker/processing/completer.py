@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import NamedTuple, Protocol
 
 from db import claims
@@ -34,7 +35,6 @@ class Completion(NamedTuple):
     """A task whose handler returned, not yet written as completed."""
 
     task: claims.ClaimedTask
-    lease: claims.Lease
     seconds: float  # how long the handler ran
     at: float  # time.monotonic() when it returned
     result: str | None = None  # what it returned, as JSON text (`task_result.encode`)
@@ -46,9 +46,7 @@ class Completer(Protocol):
     Called from any of the pass's threads.
     """
 
-    def complete(
-        self, task: claims.ClaimedTask, lease: claims.Lease, seconds: float, result: str | None
-    ) -> None:
+    def complete(self, task: claims.ClaimedTask, seconds: float, result: str | None) -> None:
         """`task`'s handler returned after `seconds`, with `result` (JSON text, or None)."""
 
     def flush(self, *, force: bool) -> None:
@@ -85,15 +83,9 @@ class BatchCompleter:
         self._lock = threading.Lock()
         self._items: list[Completion] = []  # oldest first
 
-    def complete(
-        self,
-        task: claims.ClaimedTask,
-        lease: claims.Lease,
-        seconds: float,
-        result: str | None = None,
-    ) -> None:
+    def complete(self, task: claims.ClaimedTask, seconds: float, result: str | None = None) -> None:
         """Buffer the completion of `task`; a flush writes it."""
-        completion = Completion(task, lease, seconds, time.monotonic(), result)
+        completion = Completion(task, seconds, time.monotonic(), result)
         with self._lock:
             self._items.append(completion)
 
@@ -121,25 +113,25 @@ class BatchCompleter:
         done = self.take(force=force)
         if not done:
             return
-        leases = [d.lease for d in done]
+        tasks = [d.task for d in done]
         # Results only when some handler returned one: else the statement without them.
         results = [d.result for d in done] if any(d.result is not None for d in done) else None
         try:
-            completed = self._db.write(lambda conn: claims.complete_tasks(conn, leases, results))
+            lost = self._db.write(lambda conn: claims.complete_tasks(conn, tasks, results))
         except BaseException:
             with self._lock:
                 self._items[:0] = done  # they stay oldest
             raise
-        self._report(done, completed)
+        self._report(done, {task.id for task in lost} if lost else frozenset())
 
-    def _report(self, done: Sequence[Completion], completed: set[uuid.UUID]) -> None:
-        """Report written completions; `completed` are the ids whose lease matched."""
+    def _report(self, done: Sequence[Completion], lost: AbstractSet[uuid.UUID]) -> None:
+        """Report written completions; `lost` are the ids whose lease was taken over."""
         self._leases.let_go(item.task.id for item in done)
         info = log.isEnabledFor(logging.INFO)  # below INFO no line's fields are built
         durations: dict[str, list[float]] = {}
         for item in done:
             task = item.task
-            if task.id not in completed:
+            if lost and task.id in lost:
                 self._lease_lost(task, outcome.Complete.action, item.seconds)
                 continue
             if info:

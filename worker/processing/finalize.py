@@ -97,15 +97,13 @@ class Finalizer:
         mine = list(tasks)
         if not mine:
             return
-        released = self.db.write(
-            lambda conn: claims.release_tasks(conn, [t.lease for t in mine]),
-        )
+        lost = {task.id for task in self.db.write(lambda conn: claims.release_tasks(conn, mine))}
         self.leases.let_go(task.id for task in mine)
-        self.counter.add(PassResult(released=len(released)))
-        self.observer.released(len(released))
+        self.counter.add(PassResult(released=len(mine) - len(lost)))
+        self.observer.released(len(mine) - len(lost))
         info = log.isEnabledFor(logging.INFO)
         for task in mine:
-            if task.id not in released:
+            if task.id in lost:
                 self.lease_lost(task, "release")
             elif info:
                 fields = task_log.task_fields(task, "task.released", None)

@@ -19,12 +19,12 @@ class HeldLeases:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: dict[uuid.UUID, claims.Lease] = {}
+        self._held: dict[uuid.UUID, claims.Held] = {}
 
-    def hold(self, leases: Iterable[claims.Lease]) -> None:
-        """Hold `leases` too (claimed, or kept unwritten by an earlier pass)."""
+    def hold(self, tasks: Iterable[claims.Held]) -> None:
+        """Hold the leases of `tasks` too (claimed, or kept unwritten by an earlier pass)."""
         with self._lock:
-            self._held.update((lease.task_id, lease) for lease in leases)
+            self._held.update((task.id, task) for task in tasks)
 
     def let_go(self, task_ids: Iterable[uuid.UUID]) -> None:
         """Stop holding these tasks' leases: their outcome is written (or was refused)."""

@@ -42,8 +42,8 @@ from worker.settings import PassSettings
 from worker.tasktypes.base import JsonValue, TaskContext, TaskType
 
 StopFlag = threading.Event | Callable[[], bool] | None
-# The batch's tasks not taken by a runner yet, in claim order, each with its lease.
-_Batch = Iterator[tuple[claims.ClaimedTask, claims.Lease]]
+# The batch's tasks not taken by a runner yet, in claim order.
+_Batch = Iterator[claims.ClaimedTask]
 
 
 def run_pass(
@@ -292,7 +292,7 @@ class ProcessingPass:
             )  # fmt: skip
         if self.stop():
             return self.counter.result()
-        batch, leases = self._claim()
+        batch = self._claim()
         if not batch:
             return self.counter.result()
         if self.holder is None:
@@ -300,7 +300,7 @@ class ProcessingPass:
         keeper = self.keeper or LeaseKeeper()
         keeper.attach(self)
         try:
-            self._run_batch(batch, leases)
+            self._run_batch(batch)
         except BaseException:
             self._detach(keeper)
             # The error in flight matters more than a second one from the database.
@@ -339,8 +339,8 @@ class ProcessingPass:
         if not self.unwritten:
             return
         completions, releases = self.unwritten.take()
-        self.leases.hold(c.lease for c in completions)
-        self.leases.hold(t.lease for t in releases)
+        self.leases.hold(c.task for c in completions)
+        self.leases.hold(releases)
         self.completer.keep(completions)
         self._unstarted.update((t.id, t) for t in releases)
         log.info(
@@ -387,8 +387,8 @@ class ProcessingPass:
             extra={"event": "tasks.owed_dropped", **counts},
         )  # fmt: skip
 
-    def _claim(self) -> tuple[list[claims.ClaimedTask], list[claims.Lease]]:
-        """Claim a batch and hold its leases; return the batch and its leases, in order."""
+    def _claim(self) -> list[claims.ClaimedTask]:
+        """Claim a batch and hold its leases; return it, in claim order."""
         # Taken before the statement: the leases' locked_at (its statement_timestamp()) is no
         # earlier.
         leased_at = time.monotonic()
@@ -406,8 +406,7 @@ class ProcessingPass:
         self.observer.claim_seconds(seconds)
         self.observer.claimed(len(batch))
         self.counter.add(PassResult(claimed=len(batch)))
-        leases = [task.lease for task in batch]  # made once: held, then completed under
-        self.leases.hold(leases)
+        self.leases.hold(batch)
         if self.holder is not None:
             self._generation = self.holder.generation
         self.pauses.claimed((task.company_id for task in batch), leased_at)
@@ -417,11 +416,9 @@ class ProcessingPass:
                 extra={"event": "tasks.claimed", "count": len(batch),
                        "duration_ms": round(seconds * 1000, 3)},
             )  # fmt: skip
-        return batch, leases
+        return batch
 
-    def _run_batch(
-        self, batch: Sequence[claims.ClaimedTask], leases: Sequence[claims.Lease]
-    ) -> None:
+    def _run_batch(self, batch: Sequence[claims.ClaimedTask]) -> None:
         """Run the batch's tasks in claim order, up to `settings.threads` at once.
 
         Until every task ran or the pass stops. Whatever ends it (the stop flag;
@@ -433,7 +430,7 @@ class ProcessingPass:
         """
         self._unstarted = {task.id: task for task in batch}
         self._closed = False
-        tasks: _Batch = zip(batch, leases, strict=True)
+        tasks: _Batch = iter(batch)
         helpers = min(self.settings.threads, len(batch)) - 1
         if self.runners is not None:
             helpers = min(helpers, self.runners.size)
@@ -461,7 +458,7 @@ class ProcessingPass:
         """
         hand = self.overrun_watch.hand()
         try:
-            for task, lease in tasks:
+            for task in tasks:
                 if self._closed or self.stop():
                     return  # the task taken stays unstarted: `run` releases it
                 if not self._still_alive():
@@ -484,7 +481,7 @@ class ProcessingPass:
                     if self._unstarted.pop(task.id, None) is None:
                         return  # handed back after an overrun meanwhile
                     # From here on the task may have side effects: never released.
-                    self._run_one(task, lease, task_type, hand)
+                    self._run_one(task, task_type, hand)
                 finally:
                     hand.busy = False
         except BaseException:
@@ -517,14 +514,8 @@ class ProcessingPass:
             holder.beat()
         return holder.generation == self._generation
 
-    def _run_one(
-        self,
-        task: claims.ClaimedTask,
-        lease: claims.Lease,
-        task_type: TaskType,
-        hand: overruns.Hand,
-    ) -> None:
-        timeout = timeouts.timeout_of(task, task_type)
+    def _run_one(self, task: claims.ClaimedTask, task_type: TaskType, hand: overruns.Hand) -> None:
+        timeout = task.timeout_seconds
         started = time.monotonic()
         armed = (task, timeout, started, started + timeout + timeouts.OVERRUN_GRACE_SECONDS)
         hand.running = armed
@@ -554,27 +545,23 @@ class ProcessingPass:
         seconds = time.monotonic() - started
         if raised is None:  # the common case, first
             if returned is None:
-                self.completer.complete(task, lease, seconds, None)
+                self.completer.complete(task, seconds, None)
             else:
-                self._complete_with_result(task, lease, returned, seconds)
+                self._complete_with_result(task, returned, seconds)
             return
         self._finalize_failure(
             timeouts.Running(task, timeout, started), raised=raised, seconds=seconds
         )
 
     def _complete_with_result(
-        self,
-        task: claims.ClaimedTask,
-        lease: claims.Lease,
-        returned: JsonValue,
-        seconds: float,
+        self, task: claims.ClaimedTask, returned: JsonValue, seconds: float
     ) -> None:
         try:
             result = task_result.encode(returned)
         except task_result.UnstorableResult as exc:
             self.finalizer.settle(task, outcome.unstorable_result(str(exc)), seconds=seconds)
             return
-        self.completer.complete(task, lease, seconds, result)
+        self.completer.complete(task, seconds, result)
 
     def _finalize_failure(
         self,

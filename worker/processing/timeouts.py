@@ -1,7 +1,7 @@
 """Per-task timeouts (design §4, Timeouts): each attempt's deadline, and what happens past it.
 
-One mechanism: a task's deadline. Every attempt runs under its task's `timeout_seconds`
-(`timeout_of`); the handler is given its deadline (`TaskContext.deadline`), and the built-in
+One mechanism: a task's deadline. Every attempt runs under its task's `timeout_seconds`;
+the handler is given its deadline (`TaskContext.deadline`), and the built-in
 ones end by it themselves (`sleep` waits until then at most, `webhook` and `send_email`
 bound their I/O by it: design §6). A handler that has not returned `OVERRUN_GRACE_SECONDS`
 after its deadline has overrun: the pass's lease keeper, whose thread wakes every few tens of
@@ -22,36 +22,15 @@ Nothing is raised inside a handler from outside: no asynchronous exception, no s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from db import claims
-from worker.tasktypes.base import DEFAULT_TIMEOUT_SECONDS, TaskType
 
 # How long after its deadline a handler may still return before it has overrun: enough for
 # one that honours its deadline to return (a webhook's sockets shut at it, then unwound), and
 # for a cleanup; well below the stale window.
 OVERRUN_GRACE_SECONDS = 5.0
-
-
-def timeout_of(task: claims.ClaimedTask, task_type: TaskType[Any]) -> float:
-    """How long an attempt at `task` may run, in seconds.
-
-    Its `timeout_seconds`, or for a task stored before timeouts existed (NULL) its type's
-    default for its loaded payload; `DEFAULT_TIMEOUT_SECONDS` when that cannot be computed
-    (a payload stored before its schema changed): a default must never fail the task.
-    """
-    if task.timeout_seconds is not None:
-        return task.timeout_seconds
-    return _default_timeout(task_type, task.payload)
-
-
-def _default_timeout(task_type: TaskType[Any], payload: Mapping[str, Any]) -> float:
-    try:
-        return float(task_type.default_timeout(task_type.load_payload(payload)))
-    except Exception:  # see timeout_of: whatever failed, the generic default applies
-        return DEFAULT_TIMEOUT_SECONDS
 
 
 class Running(NamedTuple):

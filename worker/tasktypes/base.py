@@ -13,6 +13,7 @@ from marshmallow import Schema
 from typing_extensions import TypeVar
 
 from common.environment import env_bool, env_float, env_str
+from db.models import DEFAULT_TIMEOUT_SECONDS
 
 # A task type's payload as its handler receives it: what its payload schema loads. Any
 # when not given (`TaskContext` alone), as for a handler written for any payload.
@@ -105,9 +106,6 @@ JsonValue: TypeAlias = (
 
 Handler = Callable[[TaskContext[Any]], JsonValue]
 
-# A task's timeout when its type says nothing more specific, in seconds.
-DEFAULT_TIMEOUT_SECONDS = 60
-
 
 def _default_timeout(_payload: object) -> int:
     return DEFAULT_TIMEOUT_SECONDS
@@ -134,7 +132,6 @@ class TaskType(Generic[P]):
 
     `default_timeout`: the `timeout_seconds` of a task created without one, in whole
     seconds, from its loaded payload: how long the type's work may take plus a margin.
-    The worker applies it too to tasks stored before timeouts existed (NULL).
     """
 
     name: str
