@@ -23,8 +23,7 @@ from psycopg.types.json import Jsonb
 
 from db import errors
 from db.engine import driver_errors
-from db.models import DEFAULT_TIMEOUT_SECONDS
-from db.models import TaskStatus
+from db.models import DEFAULT_TIMEOUT_SECONDS, TaskStatus
 
 
 class TaskRecord(NamedTuple):

@@ -8,6 +8,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -100,29 +103,57 @@ def test_taken_metrics_port_exits_1_with_a_message(tmp_path: Path, fresh_db_url:
     assert f"cannot serve metrics on 0.0.0.0:{port}" in err
 
 
+class _SlowReceiver(BaseHTTPRequestHandler):
+    """Takes a webhook's POST, tells the test it arrived, answers 200 a second later."""
+
+    arrived: threading.Event
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.arrived.set()
+        time.sleep(1)
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *_args: object) -> None:
+        pass
+
+
 def test_sigterm_during_once_finishes_the_task_in_hand_and_hands_back_the_rest(
     tmp_path: Path, fresh_db_url: str, fresh_engine: Engine
 ) -> None:
+    # Webhooks to a receiver of the test's own: its first request is the first handler
+    # started, so the signal comes with a task in hand, however slow the box.
+    arrived = threading.Event()
+    receiver = ThreadingHTTPServer(
+        ("127.0.0.1", 0), type("Receiver", (_SlowReceiver,), {"arrived": arrived})
+    )
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{receiver.server_address[1]}/hook"
     company = insert_company(fresh_engine).id
-    insert_tasks(fresh_engine, company, 3, task_type="sleep", payload={"seconds": 1})
-    environment = {**os.environ, "DATABASE_URL": fresh_db_url}
-    with (tmp_path / "out.log").open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "--once"],
-            cwd=harness.ROOT, env=environment, stdout=out, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            harness.wait_for(
-                lambda: harness.status_counts(fresh_engine).get("processing", 0) == 3,
-                15,
-                "the pass to claim the batch",
-            )
-            proc.send_signal(signal.SIGTERM)
-            status = proc.wait(timeout=15)
-        finally:
-            proc.kill()
-            proc.wait()
+    insert_tasks(fresh_engine, company, 3, task_type="webhook", payload={"url": url})
+    environment = {
+        **os.environ, "DATABASE_URL": fresh_db_url, "WEBHOOK_ALLOW_PRIVATE": "true",
+        "WORKER_THREADS": "1",
+    }  # fmt: skip
+    try:
+        with (tmp_path / "out.log").open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "worker", "--once"],
+                cwd=harness.ROOT, env=environment, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+            try:
+                assert arrived.wait(30), "the first webhook never arrived"
+                proc.send_signal(signal.SIGTERM)
+                status = proc.wait(timeout=15)
+            finally:
+                proc.kill()
+                proc.wait()
+    finally:
+        receiver.shutdown()
+        receiver.server_close()
 
     assert status == 0, (tmp_path / "out.log").read_text()
     # The first task was in hand and completes; the two never started are pending again.

@@ -33,11 +33,10 @@ from tests import test_processing
 from tests.factories import CreatedTask, MakeCompany, insert_company, insert_tasks, json_of
 from tests.supervisor_harness import RunningSupervisor, wait_for
 from tests.test_processing import Register, TopOfRange, rows, run_pass
-from worker import processing, tasktypes
+from worker import processing
 from worker.errors import PermanentTaskError
 from worker.processing import outcome, timeouts
-from worker.tasktypes.base import TaskContext, TaskType
-from worker.tasktypes.noop import NoopPayload
+from worker.tasktypes.base import TaskContext
 
 # The processing tests' fixtures: sessions on a fresh database, a task type per test.
 sessions = test_processing.sessions
@@ -262,29 +261,6 @@ def test_an_overrun_on_the_last_attempt_fails_the_task_for_good(
     [stored] = rows(sessions, ids)
     assert stored["status"] == "failed"
     assert stored["last_error"].startswith("gave up after 1 attempts: timed out after 1.")
-
-
-@pytest.mark.usefixtures("short_grace")
-def test_an_old_task_without_a_timeout_overruns_its_types_default(
-    sessions: sessionmaker[Session],
-    fresh_company_id: uuid.UUID,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    released = threading.Event()
-    monkeypatch.setitem(
-        tasktypes.REGISTRY,
-        "spin",
-        TaskType(
-            "spin", "test type", NoopPayload, spinner(released), default_timeout=lambda payload: 1
-        ),
-    )
-    ids = insert_tasks(sessions, fresh_company_id, 1, task_type="spin")  # timeout_seconds NULL
-    assert rows(sessions, ids)[0]["timeout_seconds"] is None
-
-    result = run_pass(sessions, on_overrun=lambda overrun: released.set())
-
-    assert result == processing.PassResult(claimed=1, retried=1)
-    assert "(timeout 1 s): overran" in rows(sessions, ids)[0]["last_error"]
 
 
 def test_a_handler_returning_at_its_deadline_never_counts_twice(
