@@ -36,6 +36,12 @@ FAST_ENV = {
 }
 
 
+# How long a harness waits, by default, for what a healthy supervisor does within a second or
+# two (a port written, children forked and booted): generous, for a 2-core box running the
+# suite's two processes and their databases; a passing test never waits it out.
+PROCESS_WAIT_SECONDS = 45.0
+
+
 def wait_for(
     condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05
 ) -> Any:
@@ -90,7 +96,7 @@ class RunningSupervisor:
         """Everything written to stdout so far."""
         return (self.workdir / "stdout.log").read_text(errors="replace")
 
-    def port(self, timeout: float = 15.0) -> int:
+    def port(self, timeout: float = PROCESS_WAIT_SECONDS) -> int:
         """The metrics port, once the supervisor has written it."""
         path = self.workdir / "metrics.port"
 
@@ -114,7 +120,7 @@ class RunningSupervisor:
         self.seen_children.update(pids)
         return pids
 
-    def wait_children(self, count: int, timeout: float = 15.0) -> list[int]:
+    def wait_children(self, count: int, timeout: float = PROCESS_WAIT_SECONDS) -> list[int]:
         """Wait until it has exactly `count` children; return their pids."""
         pids: list[int] = wait_for(
             lambda: pids if len(pids := self.children()) == count else None,
@@ -123,7 +129,7 @@ class RunningSupervisor:
         )
         return pids
 
-    def wait_ready(self, count: int, timeout: float = 15.0) -> list[int]:
+    def wait_ready(self, count: int, timeout: float = PROCESS_WAIT_SECONDS) -> list[int]:
         """Wait until `count` children exist and have each logged that they booted."""
         pids = self.wait_children(count, timeout)
         wait_for(

@@ -124,6 +124,9 @@ class Exporter:
         # that lists the supervisor's children never takes it for a worker child.
         own_name = _process_name()
         _name_process(PROCESS_NAME)
+        # Read here, not in the exporter: a supervisor killed while the exporter starts up
+        # has it re-parented before it could ask, and it would serve on, orphaned.
+        supervisor = os.getpid()
         try:
             pid = os.fork()
         except OSError as exc:
@@ -133,13 +136,15 @@ class Exporter:
             self._respawn_at = time.monotonic() + RESPAWN_DELAY_SECONDS
             return
         if pid == 0:  # pragma: no cover  (runs in the exporter; covered by the process tests)
-            self._become_exporter(mask)
+            self._become_exporter(mask, supervisor)
         _name_process(own_name)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         self.pid = pid
         log.info("metrics exporter %d serving port %d", pid, self.port)
 
-    def _become_exporter(self, mask: set[int | signal.Signals]) -> NoReturn:  # pragma: no cover
+    def _become_exporter(  # pragma: no cover
+        self, mask: set[int | signal.Signals], supervisor: int
+    ) -> NoReturn:
         code = 1
         try:
             from worker import child  # noqa: PLC0415  (what a child imports, only here)
@@ -152,7 +157,7 @@ class Exporter:
             for fd in self._inherited_fds():
                 if fd != self._listener.fileno():
                     os.close(fd)
-            serve(self._listener, self._directory, os.getppid())
+            serve(self._listener, self._directory, supervisor)
             code = 0
         except BaseException:
             log.exception("metrics exporter %d crashed", os.getpid())
