@@ -194,11 +194,13 @@ def settle_statement(session: Session) -> str:
     statement = found.group(0)
     assert statement.count("ANY(settled)") == 1, statement
     assert statement.count("ANY(exhausted)") == 1, statement
-    assert statement.count("now_ts") == 1, statement
+    assert statement.count("ANY(served)") == 1, statement
+    assert statement.count("now_ts") == 2, statement
     # Every company given ran short (the settle proper, not a floor's raise alone).
     companies = "ANY(CAST(%(company_ids)s AS uuid[]))"
     return (
         statement.replace("ANY(settled)", companies)
         .replace("ANY(exhausted)", companies)
+        .replace("ANY(served)", "ANY(CAST('{}' AS uuid[]))")
         .replace("now_ts", "clock_timestamp()")
     )

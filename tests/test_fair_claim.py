@@ -828,8 +828,14 @@ def test_moving_a_delayed_task_earlier_lowers_due_at_so_the_next_claim_takes_it(
     db_session: Session,
 ) -> None:
     company = insert_company(db_session, "k").id
-    later = insert_task(db_session, company, run_after=text("now() + interval '1 day'"))
-    moved = insert_task(db_session, company, run_after=text("now() + interval '2 days'"))
+    # Created a while ago: a company whose last task is a second old is settled when short.
+    created = text("now() - interval '2 seconds'")
+    later = insert_task(
+        db_session, company, run_after=text("now() + interval '1 day'"), created_at=created
+    )
+    moved = insert_task(
+        db_session, company, run_after=text("now() + interval '2 days'"), created_at=created
+    )
     assert claim(db_session) == []
     assert queue_state(db_session, company).due_at == later.run_after
 
@@ -847,6 +853,46 @@ def test_moving_a_delayed_task_earlier_lowers_due_at_so_the_next_claim_takes_it(
     assert claim(db_session) == []
     state = queue_state(db_session, company)
     assert (state.due_at, state.ready) == (later.run_after, False)
+
+
+def test_a_busy_company_that_ran_short_stays_in_the_ring_unwritten_until_idle_a_second(
+    db_session: Session,
+) -> None:
+    """A steady trickle: each task claimed as it comes, the company short after each claim.
+
+    While one of its tasks was created within the last second, the claim leaves its row as it
+    is (ready, in the ring, no new version); once it has been idle for a second, the next
+    claim that finds it short settles it.
+    """
+    company = insert_company(db_session, "k").id
+    first = insert_task(db_session, company)
+    assert claim(db_session) == [first.id]  # short, and settled: its only task is leased
+    assert queue_state(db_session, company).ready is False
+    second = insert_task(db_session, company)
+    third = insert_task(db_session, company, run_after=text("now() + interval '1 hour'"))
+    assert claim(db_session) == [second.id]
+    version = db_session.execute(
+        text("SELECT xmin::text FROM company_queues WHERE company_id = :c"), {"c": company}
+    ).scalar_one()
+
+    # Short again (the third is not due), its newest task a moment old: left as it is.
+    assert claim(db_session) == []
+    assert queue_state(db_session, company).ready is True
+    assert (
+        db_session.execute(
+            text("SELECT xmin::text FROM company_queues WHERE company_id = :c"), {"c": company}
+        ).scalar_one()
+        == version
+    )
+
+    db_session.execute(
+        text("UPDATE tasks SET created_at = created_at - interval '2 seconds' WHERE id = :id"),
+        {"id": third.id},
+    )
+    db_session.commit()
+    assert claim(db_session) == []
+    state = queue_state(db_session, company)
+    assert (state.due_at, state.ready) == (third.run_after, False)
 
 
 # -- many companies: locks, cost and plans that do not depend on them ------------------------
@@ -969,6 +1015,7 @@ def test_a_claim_touches_about_as_many_buffers_with_2000_companies_as_with_50(
 
 
 TASK_INDEXES = {
+    "ix_tasks_company_listing_unleased",
     "ix_tasks_pending_company_run_after",
     "ix_tasks_processing_company_locked_at",
     "pk_tasks",

@@ -144,6 +144,8 @@ DECLARE
     settled uuid[];
     -- Companies that got tasks: their claim floor moves past them (below).
     served uuid[] := '{}';
+    -- This round's companies drawn to join them.
+    lucky uuid[];
     short uuid[];
     -- The clock, read after each wait: statement_timestamp() is the caller's statement's
     -- start, before the waits for the locks above.
@@ -356,36 +358,44 @@ BEGIN
         -- A company served n tasks has its floor raised with probability n / 32: about one
         -- raise per 32 tasks claimed of it, so a scan reads about 32 entries of claimed
         -- tasks at most, and the company's row gains one version per 32 tasks, not one a
-        -- claim (each is read by every claim's ring while a snapshot is held).
-        served := served || ARRAY(SELECT s.company_id
-                                  FROM unnest(contenders.ids, share.tasks) AS s(company_id, n)
-                                  WHERE s.n > 0 AND random() * 32 < s.n
-                                    AND NOT (s.company_id = ANY(served)));
+        -- claim (each is read by every claim's ring while a snapshot is held). n is what it
+        -- got, not its share: a company fed a trickle gets a task or two of a large share.
         IF got < (SELECT sum(x) FROM unnest(share.tasks) x) THEN
             -- Fewer than allotted: those companies had less runnable work than their share
             -- (or were at their limit); the rest of the batch goes to the next companies.
             -- What each got is read back from its leases of this round: this clock and this
             -- claimer (a worker id claims one batch at a time) name them.
-            short := ARRAY(
-                SELECT s.company_id
-                FROM unnest(contenders.ids, share.tasks) AS s(company_id, n)
-                WHERE s.n > (
-                    SELECT count(*) FROM (
-                        SELECT 1 FROM tasks t
-                        WHERE t.company_id = s.company_id AND t.status = 'processing'
-                          AND t.locked_at = now_ts AND t.locked_by = worker_id
-                        -- The order of the company's own lease index: no plan reads others'.
-                        ORDER BY t.locked_at, t.id
-                        LIMIT s.n) got_leases));
+            SELECT coalesce(array_agg(c.company_id) FILTER (WHERE c.n > c.got), '{}'),
+                   coalesce(array_agg(c.company_id) FILTER (WHERE random() * 32 < c.got), '{}')
+            INTO short, lucky
+            FROM (SELECT s.company_id, s.n, (
+                      SELECT count(*) FROM (
+                          SELECT 1 FROM tasks t
+                          WHERE t.company_id = s.company_id AND t.status = 'processing'
+                            AND t.locked_at = now_ts AND t.locked_by = worker_id
+                          -- The order of the company's own lease index: no plan reads others'.
+                          ORDER BY t.locked_at, t.id
+                          LIMIT s.n) got_leases) AS got
+                  FROM unnest(contenders.ids, share.tasks) AS s(company_id, n)
+                  WHERE s.n > 0) c;
             IF cardinality(short) = 0 THEN
                 -- Another claim of the same worker id in the same microsecond: no telling
-                -- who got what, so none of this round's companies is asked again.
+                -- who got what, so none of this round's companies is asked again, and each
+                -- counts as served its share.
                 short := ARRAY(SELECT s.company_id
                                FROM unnest(contenders.ids, share.tasks) AS s(company_id, n)
                                WHERE s.n > 0);
+                lucky := ARRAY(SELECT s.company_id
+                               FROM unnest(contenders.ids, share.tasks) AS s(company_id, n)
+                               WHERE s.n > 0 AND random() * 32 < s.n);
             END IF;
             exhausted := exhausted || short;
+        ELSE
+            lucky := ARRAY(SELECT s.company_id
+                           FROM unnest(contenders.ids, share.tasks) AS s(company_id, n)
+                           WHERE s.n > 0 AND random() * 32 < s.n);
         END IF;
+        served := served || ARRAY(SELECT x FROM unnest(lucky) x WHERE NOT (x = ANY(served)));
         -- Otherwise every share was met, and the batch is full or another round may fill
         -- it (companies beyond this round's ring read, companies at their limit passed).
         -- Each round claims a task or excludes a company: the loop ends.
@@ -396,6 +406,13 @@ BEGIN
         -- served, each under its wake-up lock, tried and never waited for: a writer holding
         -- it is making a task pending (below the floor, maybe), so the company stays as it
         -- is, ready and with its floor, until a later claim.
+        -- A company that ran short but had a task created within the last second stays
+        -- as it is too, ready, and costs no write: its next task will most likely come
+        -- before it would be promoted again. Settling it and promoting it back would write
+        -- its row three times a task (the wake-up, the promotion, the settle), and while a
+        -- snapshot is held elsewhere every claim's promotion and ring reads walk the index
+        -- entries of those versions (decision 0012). A company idle for a second is settled
+        -- by the next claim that finds it short.
         settled := ARRAY(
             SELECT e.company_id
             FROM (SELECT DISTINCT x AS company_id FROM unnest(served || exhausted) x) e
@@ -418,13 +435,24 @@ BEGIN
             -- a task becomes pending (db/sql/claim_floor.sql).
             claim_floor_at = coalesce(d.due_at, '9999-12-30 00:00:00+00'),
             claim_floor_id = coalesce(d.id, 'ffffffff-ffff-ffff-ffff-ffffffffffff')
-        FROM (SELECT w.company_id, w.company_id = ANY(exhausted) AS short,
+        FROM (SELECT w.company_id, w.company_id = ANY(exhausted) AND NOT r.recent AS short,
                      coalesce(w.claim_floor_at, '-infinity') AS floor_at,
                      coalesce(w.claim_floor_id, '00000000-0000-0000-0000-000000000000')
                          AS floor_id
               FROM company_queues w
+              CROSS JOIN LATERAL (
+                  -- A task created within the last second, read from the newest entry of
+                  -- ix_tasks_company_listing_unleased (the tasks just claimed are processing,
+                  -- not in it).
+                  SELECT EXISTS (SELECT 1 FROM tasks t
+                                 WHERE t.company_id = w.company_id
+                                   AND t.status <> 'processing'
+                                   AND t.created_at > now_ts - interval '1 second') AS recent
+              ) r
               WHERE w.company_id = ANY(settled)
-              FOR NO KEY UPDATE SKIP LOCKED) s
+                -- Nothing to write: short, recently busy, and no floor to raise.
+                AND (w.company_id = ANY(served) OR NOT r.recent)
+              FOR NO KEY UPDATE OF w SKIP LOCKED) s
         LEFT JOIN LATERAL (
             -- The earliest pending task, from the company's claim floor in its pending range
             -- (ordered as ix_tasks_pending_company_run_after, which no other index is).

@@ -38,6 +38,8 @@ SQL = Path(__file__).resolve().parents[2] / "db" / "sql"
 # What migration 0012 ran, which a downgrade puts back.
 TASKS_SQL_0012 = Path(__file__).with_name("0012_tasks.sql")
 CLAIM_SQL_0012 = Path(__file__).with_name("0012_claim.sql")
+# What this revision installs of `db/sql/claim.sql` (migration 0017 changed it).
+CLAIM_SQL_0015 = Path(__file__).with_name("0015_claim.sql")
 _CLAIM_FUNCTIONS = (
     "fairq_claim(text, int)",
     "fairq_move_claim_cursor(bigint, int)",
@@ -62,7 +64,7 @@ def upgrade() -> None:
     )
     op.add_column("company_queues", sa.Column("claim_floor_id", postgresql.UUID(as_uuid=True)))
     _run((SQL / "tasks.sql").read_text())
-    _replace_claim((SQL / "claim.sql").read_text())
+    _replace_claim(CLAIM_SQL_0015.read_text())
 
 
 def downgrade() -> None:
