@@ -667,6 +667,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.modes = [m.strip() for m in str(args.mode).split(",") if m.strip()]
     args.pgqueuer_driver = "asyncpg"
     args.log_level, args.log_format = "WARNING", "text"
+    # What `bench_throughput`'s drain reads of its own options: noop tasks, one handler thread
+    # a child, the default stale window.
+    args.threads, args.sleep, args.stale_after = 1, None, None
     return args
 
 
