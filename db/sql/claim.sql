@@ -125,7 +125,7 @@ AS $$
 -- Claim up to `batch_size` runnable tasks, weighted-fair across companies, in the order
 -- round robin serves them; each row moves to `processing` with a new lease token and one
 -- more attempt. Fewer only when no more runnable task is allowed. Call it in READ COMMITTED
--- and commit right after. Rows: the columns of db/queue.py `ClaimedTask`, in its order.
+-- and commit right after. Rows: the columns of db/claims.py `ClaimedTask`, in its order.
 #variable_conflict use_column
 DECLARE
     claimed int := 0;
@@ -156,7 +156,8 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF worker_id IS NULL THEN
-        -- A lease must name its holder (expire_leases_of takes back a dead worker's).
+        -- A lease must name its holder: db/workers.py `take_back_leases` takes back a dead
+        -- worker's.
         RAISE EXCEPTION 'worker_id must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -432,7 +433,7 @@ BEGIN
                          ELSE q.ready END,
             -- The earliest pending task's place. None: a day before the end of time (a
             -- value every client can read in any time zone), and the triggers lower it when
-            -- a task becomes pending (db/sql/claim_floor.sql).
+            -- a task becomes pending (db/sql/tasks.sql).
             claim_floor_at = coalesce(d.due_at, '9999-12-30 00:00:00+00'),
             claim_floor_id = coalesce(d.id, 'ffffffff-ffff-ffff-ffff-ffffffffffff')
         FROM (SELECT w.company_id, w.company_id = ANY(exhausted) AND NOT r.recent AS short,
