@@ -66,7 +66,7 @@ from typing import Any, cast
 import psycopg
 from sqlalchemy import Engine
 
-from db import queue
+from db import connector, queue
 from devtools import stack
 from scripts import bench_throughput as throughput
 
@@ -673,6 +673,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def warn_without_autovacuum(url: str) -> None:
+    """Say so when the server's autovacuum is off: then no VACUUM catches up between two
+    analytics transactions, and what the benchmark measures is not a queue under pressure
+    but one that is never cleaned (a server given with `--database-url` may be set so)."""
+    with connector.connect(url, application_name="fairq-bench") as conn:
+        row = conn.execute("SELECT current_setting('autovacuum')").fetchone()
+    if row is not None and row[0] != "on":
+        print(
+            "warning: autovacuum is off on this server: dead rows are never removed, and the "
+            "figures below are not those of a queue under pressure",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the results."""
     args = parse_args(argv)
@@ -689,6 +703,7 @@ def main(argv: list[str] | None = None) -> int:
         ) as url,
         tempfile.TemporaryDirectory(prefix="fairq-bench-") as tmp,
     ):
+        warn_without_autovacuum(url)
         if "held" in args.modes:
             lines += run_held(url, args, Path(tmp))
         if "spiral" in args.modes:
