@@ -291,6 +291,23 @@ def test_run_at_outside_the_storable_range_is_422_not_a_5xx(
     assert_nothing_stored(db_session, company)
 
 
+@pytest.mark.parametrize(
+    "timeout_seconds",
+    [None, 0, 86_401, "60", 1.5],
+    ids=["null", "zero", "over-a-day", "string", "fraction"],
+)
+def test_a_timeout_that_is_not_a_whole_number_of_seconds_in_range_is_422(
+    client: FlaskClient, company: CompanyWithKey, db_session: Session, timeout_seconds: Any
+) -> None:
+    """Every task has its timeout (the column is NOT NULL): a null is refused like the rest,
+    naming the field, never stored nor a 5xx."""
+    response = post_task(client, company, {"type": "noop", "timeout_seconds": timeout_seconds})
+
+    errors = assert_error(response, 422, location="json")
+    assert errors["timeout_seconds"]
+    assert_nothing_stored(db_session, company)
+
+
 def test_unknown_type_is_422_listing_the_known_types(
     client: FlaskClient, company: CompanyWithKey, db_session: Session
 ) -> None:
