@@ -21,20 +21,10 @@ from api.settings import ApiSettings
 from db import connector, queue
 from db.engine import driver_connection, make_engine
 from db.models import Task
-from tests.conftest import make_test_app
+from tests.conftest import Clock, make_test_app
 from tests.factories import CompanyWithKey, add_key, insert_company
 
 NOTIFY_CHANNEL = "fairq_tasks"
-
-
-class Clock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

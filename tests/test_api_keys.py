@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from api import auth, database
 from db import api_keys
 from db.engine import driver_connection
-from tests.conftest import ADMIN_TOKEN, make_test_app
+from tests.conftest import ADMIN_TOKEN, Clock, make_test_app
 from tests.factories import CompanyWithKey, add_key, insert_company, json_of
 from tests.pg import libpq
 
@@ -337,16 +337,6 @@ def two_apps(fresh_db_url: str) -> Iterator[tuple[Flask, Flask]]:
     yield first, second
     for app in (first, second):
         database.close(app)
-
-
-class Clock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_an_expired_key_gets_401_at_its_expiry_on_every_process_even_while_remembered(

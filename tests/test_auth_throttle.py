@@ -15,7 +15,7 @@ from sqlalchemy import Engine
 
 from api import database, throttle
 from api.settings import DEFAULT_AUTH_FAILURE_LIMIT
-from tests.conftest import ADMIN_TOKEN, make_test_app
+from tests.conftest import ADMIN_TOKEN, Clock, make_test_app
 from tests.factories import CompanyWithKey, insert_company, json_of
 
 LIMIT = DEFAULT_AUTH_FAILURE_LIMIT
@@ -24,16 +24,6 @@ WRONG = {"Authorization": "Bearer not-the-admin-token-and-no-key-either"}
 ATTACKER, OPERATOR = "203.0.113.7", "198.51.100.20"
 LOGIN = "/dashboard/login"
 _CSRF = re.compile(r'name="csrf_token"[^>]*value="([^"]+)"')
-
-
-class Clock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
